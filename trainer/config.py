@@ -1,0 +1,505 @@
+"""The config schema and its loading: YAML file + ``key=value`` overrides through OmegaConf.
+
+Every field carries a one-line docstring under it; :func:`field_help` reads them so that
+``trainer print-config`` and the README's config reference show the same text. Range and
+choice checks are declared in field metadata (``choices``, ``ge``, ``gt``) and checked by
+:func:`validate`; cross-field checks live in ``__post_init__``.
+
+User errors raise :class:`ConfigError`, which names the key, where it came from (file or
+override), what was expected and, where one fits, a did-you-mean. The CLI turns it into
+exit status 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import re
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user error in a config file, an override or a CLI argument (exit status 2)."""
+
+
+def _f(default: Any = dataclasses.MISSING, *, choices=None, ge=None, gt=None, factory=None):
+    meta = {k: v for k, v in (("choices", choices), ("ge", ge), ("gt", gt)) if v is not None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = "run"
+    """Run name; used in the default run directory and in plots."""
+    dir: str = "runs/${run.name}"
+    """Run directory: resolved config.yaml, metrics.jsonl, checkpoints/, compile report."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str | None = _f("tiny", choices=["tiny", "gpt2-small", "gpt2-medium"])
+    """Built-in GPT size (tiny | gpt2-small | gpt2-medium); null with model.target."""
+    n_layer: int | None = _f(None, gt=0)
+    """Number of transformer blocks; overrides the preset."""
+    n_head: int | None = _f(None, gt=0)
+    """Attention heads per block; overrides the preset."""
+    n_embd: int | None = _f(None, gt=0)
+    """Embedding width; overrides the preset. Must be divisible by n_head."""
+    dropout: float = _f(0.0, ge=0.0)
+    """Dropout probability (0 disables dropout)."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorms, as GPT-2."""
+    fused_loss: bool = False
+    """Use the fused linear + cross-entropy Triton kernel for the head and loss."""
+    target: str | None = None
+    """Your own model as "pkg.module:factory"; the factory returns an nn.Module whose forward(idx, targets) returns the loss (or a tuple ending in it)."""
+    kwargs: dict[str, Any] = _f(factory=dict)
+    """Keyword arguments passed to model.target's factory."""
+
+    def __post_init__(self):
+        if self.target is not None and ":" not in self.target:
+            raise ConfigError(f"model.target: expected 'pkg.module:factory', got {self.target!r}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str | None = None
+    """Text file (read as bytes, vocab 256) or uint16 token file (.bin, nanoGPT format); null = the embedded corpus (this Python's standard library source)."""
+    vocab_size: int | None = _f(None, gt=0)
+    """Vocabulary size; required for a .bin token file, 256 otherwise."""
+    seq_len: int = _f(256, gt=0)
+    """Tokens per training sequence (the model's context length)."""
+    val_fraction: float = _f(0.05, gt=0.0)
+    """Fraction of the corpus held out for validation (deterministic split)."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: str = _f("adamw", choices=["adamw", "adam", "sgd"])
+    """Optimizer: adamw | adam | sgd."""
+    lr: float = _f(6e-4, gt=0.0)
+    """Peak learning rate."""
+    weight_decay: float = _f(0.1, ge=0.0)
+    """Decoupled weight decay, applied to matrices only (not norms, biases, embeddings)."""
+    betas: list[float] = _f(factory=lambda: [0.9, 0.95])
+    """Adam betas (beta1, beta2)."""
+    eps: float = _f(1e-8, gt=0.0)
+    """Adam epsilon."""
+    momentum: float = _f(0.9, ge=0.0)
+    """SGD momentum."""
+    grad_clip: float = _f(1.0, ge=0.0)
+    """Clip gradients to this global L2 norm (0 disables clipping)."""
+    impl: str = _f("auto", choices=["auto", "eager", "foreach", "fused", "compiled", "triton"])
+    """Optimizer implementation: auto picks the fastest measured for the device."""
+
+    def __post_init__(self):
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas: expected two numbers in [0, 1), got {list(self.betas)}")
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    warmup_steps: int = _f(100, ge=0)
+    """Linear warm-up from 0 to optim.lr over this many steps."""
+    decay: str = _f("cosine", choices=["cosine", "linear", "constant"])
+    """Decay after warm-up, down to min_lr_ratio * lr at train.steps."""
+    min_lr_ratio: float = _f(0.1, ge=0.0)
+    """Final learning rate as a fraction of optim.lr."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = _f(1000, gt=0)
+    """Optimizer steps to train for."""
+    micro_batch_size: int = _f(8, gt=0)
+    """Sequences per forward/backward on each rank."""
+    grad_accum: int = _f(1, gt=0)
+    """Micro-batches accumulated per optimizer step."""
+    precision: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
+    """Autocast precision: auto = bf16 on GPU, fp32 on CPU."""
+    device: str = "auto"
+    """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    eval_every: int = _f(0, ge=0)
+    """Validation loss every N steps and at the end (0: only at the end)."""
+    eval_batches: int = _f(8, gt=0)
+    """Micro-batches per validation pass."""
+    on_nan: str = _f("stop", choices=["stop", "skip"])
+    """On a NaN/inf loss: stop the run, or skip the step's update."""
+
+
+@dataclass(kw_only=True)
+class CompileConfig:
+    enabled: bool = False
+    """Compile the training step with torch.compile."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor, aot_eager, eager, or any registered backend."""
+    mode: str = _f("default", choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
+    """torch.compile mode."""
+    fullgraph: bool = False
+    """Fail on any graph break instead of splitting the graph."""
+    dynamic: bool | None = False
+    """Dynamic shapes: false (static), true, or null (torch decides)."""
+    scope: str = _f("model", choices=["model", "blocks"])
+    """Compile the whole model, or each repeated block once (reused across blocks)."""
+    blocks: str | None = None
+    """Attribute path of the repeated blocks (e.g. transformer.h); found automatically when null."""
+    autograd: bool = False
+    """Compiled autograd: the backward, with its hooks, captured as one graph."""
+    loss: bool = True
+    """Compile the loss computation together with the model."""
+    max_recompiles: int = _f(8, ge=0)
+    """Recompiles allowed after warm-up before the run stops with an error."""
+    fallback: str = _f("error", choices=["error", "eager"])
+    """On a compile failure: stop (error) or log loudly and run eagerly (eager)."""
+    cache_dir: str | None = None
+    """Compile cache directory; null = inside the run directory."""
+    cudagraphs: bool = False
+    """Replay the step as CUDA graphs where shapes are static (GPU only)."""
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    strategy: str = _f("none", choices=["none", "ddp", "fsdp"])
+    """Data parallelism: none, ddp (replicated, bucketed all-reduce) or fsdp (FSDP2 sharding)."""
+    backend: str = _f("auto", choices=["auto", "nccl", "gloo"])
+    """Process-group backend: auto = nccl on CUDA, gloo on CPU."""
+    bucket_mb: float = _f(25.0, gt=0.0)
+    """Gradient bucket size cap in MiB (whole blocks per bucket up to this size)."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = _f(0, ge=0)
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep: int = _f(3, gt=0)
+    """Keep the newest N checkpoints."""
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    every: int = _f(10, gt=0)
+    """Print a summary line and write metrics.jsonl every N steps."""
+    progress: bool = True
+    """Show a live progress bar on a terminal."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (needs the tensorboard extra)."""
+    peak_flops: float | None = _f(None, gt=0.0)
+    """Peak FLOP/s used for MFU; null = look the device up in a table."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    run: RunConfig = _f(factory=RunConfig)
+    """Run identity and output directory."""
+    seed: int = 1337
+    """Seed for model initialisation and data order."""
+    model: ModelConfig = _f(factory=ModelConfig)
+    """The model."""
+    data: DataConfig = _f(factory=DataConfig)
+    """The corpus."""
+    optim: OptimConfig = _f(factory=OptimConfig)
+    """The optimizer."""
+    schedule: ScheduleConfig = _f(factory=ScheduleConfig)
+    """The learning-rate schedule."""
+    train: TrainConfig = _f(factory=TrainConfig)
+    """The training loop."""
+    compile: CompileConfig = _f(factory=CompileConfig)
+    """The compile layer."""
+    distributed: DistributedConfig = _f(factory=DistributedConfig)
+    """The distributed layer."""
+    checkpoint: CheckpointConfig = _f(factory=CheckpointConfig)
+    """Checkpointing."""
+    log: LogConfig = _f(factory=LogConfig)
+    """Logging and metrics."""
+
+    def __post_init__(self):
+        if self.model.preset is None and self.model.target is None and None in (
+            self.model.n_layer,
+            self.model.n_head,
+            self.model.n_embd,
+        ):
+            raise ConfigError("model: set model.preset, model.target, or all of n_layer, n_head and n_embd")
+        if self.model.target is None and self.model.n_embd and self.model.n_head:
+            if self.model.n_embd % self.model.n_head:
+                raise ConfigError(
+                    f"model.n_embd: {self.model.n_embd} is not divisible by model.n_head={self.model.n_head}"
+                )
+        if self.model.fused_loss and self.model.target is not None:
+            raise ConfigError("model.fused_loss: only the built-in GPT has a fused loss; drop it with model.target")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema introspection: field help and the set of valid keys.
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Field name -> the docstring written under it in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def iter_fields(cls=Config, prefix: str = ""):
+    """Yield ``(dotted_key, dataclass_field, doc, is_section)`` for the whole schema, depth first."""
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        sub = _section_type(f)
+        yield key, f, docs.get(f.name, ""), sub is not None
+        if sub is not None:
+            yield from iter_fields(sub, key + ".")
+
+
+def _section_type(f):
+    t = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307 - our own annotations
+    return t if dataclasses.is_dataclass(t) else None
+
+
+def field_help() -> dict[str, str]:
+    return {key: doc for key, _, doc, _ in iter_fields()}
+
+
+_ALL = {key: (f, is_section) for key, f, _, is_section in iter_fields()}
+# Fields whose value is a free-form mapping: anything below them is allowed.
+_OPEN = {key for key, (f, _) in _ALL.items() if "dict" in str(f.type)}
+
+
+def _check_key(key: str, where: str) -> None:
+    if key in _ALL or any(key.startswith(o + ".") for o in _OPEN):
+        return
+    parent, _, leaf = key.rpartition(".")
+    if parent and parent in _ALL and not _ALL[parent][1]:
+        raise ConfigError(f"{key}: '{parent}' is a value, not a section (in {where})")
+    siblings = [k for k in _ALL if k.rpartition(".")[0] == parent]
+    near = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6) or difflib.get_close_matches(
+        key, list(_ALL), n=1, cutoff=0.75
+    )
+    if not near:  # the right leaf in the wrong section: `lr=1` -> `optim.lr`
+        near = [k for k in _ALL if k.rpartition(".")[2] == leaf and k != key][:1]
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    if parent and parent not in _ALL:
+        top = parent.split(".")[0]
+        near = difflib.get_close_matches(top, [k for k in _ALL if "." not in k], n=1, cutoff=0.6)
+        if near and top != near[0]:
+            hint = f"; did you mean '{near[0] + key[len(top):]}'?"
+        siblings = [k for k in _ALL if "." not in k]
+        parent = ""
+    section = f"section '{parent}'" if parent else "the top level"
+    valid = ", ".join(k.rpartition(".")[2] for k in siblings)
+    raise ConfigError(f"unknown config key '{key}' (in {where}){hint or '.'} Valid keys in {section}: {valid}.")
+
+
+def _leaf_keys(d: Any, prefix: str = ""):
+    if isinstance(d, dict) and d:
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if key in _OPEN:
+                yield key
+                continue
+            if isinstance(v, dict) and not (key in _ALL and not _ALL[key][1]):
+                yield from _leaf_keys(v, key + ".")
+            else:
+                yield key
+    elif prefix:
+        yield prefix.rstrip(".")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading.
+
+
+def _load_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"config path is a directory, expected a YAML file: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: malformed YAML{at}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``'optim.lr=3e-4'`` -> ``('optim.lr', 3e-4)``; the value is parsed as YAML."""
+    key, eq, raw = item.partition("=")
+    key = key.strip()
+    if not eq or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        raise ConfigError(f"malformed override '{item}': expected key=value, e.g. optim.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # a plain string such as a path with a colon
+    return key, value
+
+
+def _nest(key: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def _merge_error(e: OmegaConfBaseException, where: str) -> ConfigError:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(e).splitlines()[0]
+    fld = _ALL.get(key, (None, False))[0]
+    expected = f"; expected {_type_name(fld)}" if fld is not None else ""
+    return ConfigError(f"{key}: {msg} (in {where}){expected}")
+
+
+def _type_name(f) -> str:
+    t = str(f.type).replace("typing.", "")
+    return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}.get(t, t)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a config: schema defaults, then the YAML file, then ``key=value`` overrides (later wins).
+
+    Args:
+        path: YAML file, or None for the defaults alone.
+        overrides: ``key=value`` strings; values are parsed as YAML.
+
+    Returns:
+        The validated, interpolation-resolved :class:`Config`.
+
+    Raises:
+        ConfigError: naming the key, its source and what was expected.
+    """
+    sources: list[tuple[str, dict]] = []
+    if path is not None:
+        where = str(path)
+        data = _load_yaml(Path(path))
+        for key in _leaf_keys(data):
+            _check_key(key, where)
+        sources.append((where, data))
+    origin: dict[str, str] = {}
+    for item in overrides or []:
+        key, value = parse_override(item)
+        where = f"override '{item}'"
+        _check_key(key, where)
+        if isinstance(value, dict):
+            for sub in _leaf_keys(value, key + "."):
+                _check_key(sub, where)
+        origin[key] = where
+        sources.append((where, _nest(key, value)))
+
+    cfg: DictConfig = OmegaConf.structured(Config)
+    for where, data in sources:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
+        except OmegaConfBaseException as e:
+            raise _merge_error(e, where) from None
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '?')}: cannot resolve interpolation: {e}".splitlines()[0]) from None
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError as e:
+        raise ConfigError(_with_origin(str(e), origin, path)) from None
+    except OmegaConfBaseException as e:
+        raise _merge_error(e, str(path) if path else "defaults") from None
+    validate(obj, origin, path)
+    return obj
+
+
+def _with_origin(msg: str, origin: dict[str, str], path) -> str:
+    key = msg.split(":", 1)[0]
+    where = origin.get(key) or (str(path) if path else "defaults")
+    return f"{msg} (from {where})"
+
+
+def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> None:
+    """Check every field's declared choices and bounds."""
+    for key, f, _, is_section in iter_fields():
+        if is_section or not f.metadata:
+            continue
+        value = get(cfg, key)
+        if value is None:
+            continue
+        problem = None
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            choices = f.metadata["choices"]
+            near = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            problem = f"got {value!r}, expected one of {' | '.join(choices)}{hint}"
+        elif "gt" in f.metadata and not value > f.metadata["gt"]:
+            problem = f"got {value}, expected a value > {f.metadata['gt']}"
+        elif "ge" in f.metadata and not value >= f.metadata["ge"]:
+            problem = f"got {value}, expected a value >= {f.metadata['ge']}"
+        if problem:
+            raise ConfigError(_with_origin(f"{key}: {problem}", origin or {}, path))
+
+
+def get(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def to_yaml(cfg: Config, with_help: bool = False) -> str:
+    """The resolved config as YAML, optionally with each field's help as a trailing comment."""
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    if not with_help:
+        return text
+    helps = field_help()
+    out, stack = [], []
+    for line in text.splitlines():
+        m = re.match(r"^( *)([A-Za-z_]\w*):(.*)$", line)
+        if not m:
+            out.append(line)
+            continue
+        depth = len(m.group(1)) // 2
+        stack[depth:] = [m.group(2)]
+        key = ".".join(stack)
+        doc = helps.get(key, "")
+        out.append(f"{line}  # {doc}" if doc and key in _ALL else line)
+    return "\n".join(out) + "\n"
+
+
+def reference_markdown() -> str:
+    """The config reference table (the README embeds it; a test keeps the two in sync)."""
+    rows = ["| key | default | description |", "|---|---|---|"]
+    defaults = to_dict(Config())
+    for key, _, doc, is_section in iter_fields():
+        if is_section:
+            continue
+        value: Any = defaults
+        for part in key.split("."):
+            value = value[part]
+        shown = "null" if value is None else str(value).replace("|", "\\|")
+        if key == "run.dir":
+            shown = "runs/${run.name}"
+        rows.append(f"| `{key}` | `{shown}` | {doc.replace('|', '/')} |")
+    return "\n".join(rows)
