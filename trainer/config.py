@@ -26,6 +26,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer.models.presets import PRESETS
+
 
 class ConfigError(ValueError):
     """A user error in a config file, an override or a CLI argument (exit status 2)."""
@@ -63,7 +65,8 @@ class ModelConfig:
     fused_loss: bool = False
     """Use the fused linear + cross-entropy Triton kernel for the head and loss."""
     target: str | None = None
-    """Your own model as "pkg.module:factory"; the factory returns an nn.Module whose forward(idx, targets) returns the loss (or a tuple ending in it)."""
+    """Your own model as "pkg.module:factory"; the factory returns an nn.Module whose
+    forward(idx, targets) returns the loss (or a tuple ending in it)."""
     kwargs: dict[str, Any] = _f(factory=dict)
     """Keyword arguments passed to model.target's factory."""
 
@@ -75,7 +78,8 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     path: str | None = None
-    """Text file (read as bytes, vocab 256) or uint16 token file (.bin, nanoGPT format); null = the embedded corpus (this Python's standard library source)."""
+    """Text file (read as bytes, vocab 256) or uint16 token file (.bin, nanoGPT format);
+    null = the embedded corpus (this Python's standard library source)."""
     vocab_size: int | None = _f(None, gt=0)
     """Vocabulary size; required for a .bin token file, 256 otherwise."""
     seq_len: int = _f(256, gt=0)
@@ -226,17 +230,22 @@ class Config:
     """Logging and metrics."""
 
     def __post_init__(self):
-        if self.model.preset is None and self.model.target is None and None in (
-            self.model.n_layer,
-            self.model.n_head,
-            self.model.n_embd,
+        if (
+            self.model.preset is None
+            and self.model.target is None
+            and None
+            in (
+                self.model.n_layer,
+                self.model.n_head,
+                self.model.n_embd,
+            )
         ):
             raise ConfigError("model: set model.preset, model.target, or all of n_layer, n_head and n_embd")
-        if self.model.target is None and self.model.n_embd and self.model.n_head:
-            if self.model.n_embd % self.model.n_head:
-                raise ConfigError(
-                    f"model.n_embd: {self.model.n_embd} is not divisible by model.n_head={self.model.n_head}"
-                )
+        if self.model.target is None:
+            shape = dict(PRESETS.get(self.model.preset or "", {}))
+            shape.update({k: getattr(self.model, k) for k in ("n_embd", "n_head") if getattr(self.model, k)})
+            if shape["n_embd"] % shape["n_head"]:
+                raise ConfigError(f"model.n_embd: {shape['n_embd']} is not divisible by model.n_head={shape['n_head']}")
         if self.model.fused_loss and self.model.target is not None:
             raise ConfigError("model.fused_loss: only the built-in GPT has a fused loss; drop it with model.target")
 
@@ -299,7 +308,7 @@ def _check_key(key: str, where: str) -> None:
         top = parent.split(".")[0]
         near = difflib.get_close_matches(top, [k for k in _ALL if "." not in k], n=1, cutoff=0.6)
         if near and top != near[0]:
-            hint = f"; did you mean '{near[0] + key[len(top):]}'?"
+            hint = f"; did you mean '{near[0] + key[len(top) :]}'?"
         siblings = [k for k in _ALL if "." not in k]
         parent = ""
     section = f"section '{parent}'" if parent else "the top level"
@@ -498,8 +507,8 @@ def reference_markdown() -> str:
         value: Any = defaults
         for part in key.split("."):
             value = value[part]
-        shown = "null" if value is None else str(value).replace("|", "\\|")
-        if key == "run.dir":
+        shown = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        if key == "run.dir":  # show the interpolation, not its value for the default name
             shown = "runs/${run.name}"
-        rows.append(f"| `{key}` | `{shown}` | {doc.replace('|', '/')} |")
+        rows.append(f"| `{key}` | `{shown}` | {doc.replace('|', '/')} |")  # a literal | would split the cell
     return "\n".join(rows)

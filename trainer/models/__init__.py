@@ -1,0 +1,81 @@
+"""Built-in models and the user-model contract.
+
+A user's model is ``model.target: "pkg.module:factory"`` with ``model.kwargs``; the factory
+returns an ``nn.Module`` whose ``forward(idx, targets)`` returns the loss, or a tuple whose
+last item is the loss (nanoGPT's ``(logits, loss)`` works unchanged).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn as nn
+
+from trainer.models.gpt import GPT, PRESETS, GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "loss_of", "flops_per_token"]
+
+
+def build_model(
+    *,
+    preset: str | None,
+    vocab_size: int,
+    seq_len: int,
+    n_layer: int | None = None,
+    n_head: int | None = None,
+    n_embd: int | None = None,
+    dropout: float = 0.0,
+    bias: bool = True,
+    fused_loss: bool = False,
+    target: str | None = None,
+    kwargs: dict | None = None,
+) -> nn.Module:
+    """Build the built-in GPT (a preset, optionally resized) or a user's model from ``target``.
+
+    Raises:
+        ValueError: the target cannot be imported, is not callable, or returns no ``nn.Module``.
+    """
+    if target is not None:
+        return _build_user_model(target, kwargs or {})
+    shape = dict(PRESETS[preset]) if preset else {}
+    shape.update({k: v for k, v in dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd).items() if v is not None})
+    cfg = GPTConfig(
+        vocab_size=vocab_size, block_size=seq_len, dropout=dropout, bias=bias, fused_loss=fused_loss, **shape
+    )
+    return GPT(cfg)
+
+
+def _build_user_model(target: str, kwargs: dict) -> nn.Module:
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"model.target: cannot import module '{module_name}': {e}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"model.target: '{module_name}' has no callable '{attr}'")
+    try:
+        model = factory(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"model.kwargs: {target} rejected its arguments: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model.target: {target} returned {type(model).__name__}, expected an nn.Module")
+    return model
+
+
+def loss_of(output) -> torch.Tensor:
+    """The loss from a model's output: the tensor itself, or the last item of a tuple."""
+    if isinstance(output, (tuple, list)):
+        output = output[-1]
+    if not isinstance(output, torch.Tensor) or output.numel() != 1:
+        raise ValueError("the model's forward(idx, targets) must return the scalar loss or a tuple ending in it")
+    return output
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: the model's own ``flops_per_token`` if it has one, else 6 × parameters."""
+    fn = getattr(model, "flops_per_token", None)
+    if callable(fn):
+        return float(fn(seq_len))
+    return 6.0 * sum(p.numel() for p in model.parameters())

@@ -1,0 +1,40 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A model and batch small enough that a step takes milliseconds on 2 CPU cores.
+FAST = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "data.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.eval_batches=2",
+    "schedule.warmup_steps=2",
+    "log.every=5",
+    "log.progress=false",
+]
+
+
+def run_cli(*args, env=None, timeout=300, cwd=ROOT):
+    """Run `python -m trainer ARGS` in a subprocess; returns CompletedProcess with text output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    n_gpu = torch.cuda.device_count() if has_cuda else 0
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multi_gpu" in item.keywords and n_gpu < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2 CUDA GPUs"))

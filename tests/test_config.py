@@ -1,0 +1,141 @@
+"""Config loading: every shipped config, overrides, interpolation, and the exit-2 user errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, run_cli
+from trainer.config import Config, ConfigError, load_config, reference_markdown, to_yaml
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny.yaml", "gpt2-small.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads_and_says_how_to_launch(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("#"), f"{path.name} must start with a comment saying how to launch it"
+    assert "trainer fit" in path.read_text().split("\n\n")[0] or "torchrun" in path.read_text()
+
+
+def test_overrides_win_later_and_interpolate(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  name: base\noptim:\n  lr: 0.1\n")
+    cfg = load_config(f, ["optim.lr=0.2", "optim.lr=3e-4", "run.name=other"])
+    assert cfg.optim.lr == 3e-4
+    assert cfg.run.dir == "runs/other"  # ${run.name} resolved after the override
+    assert load_config(f).optim.lr == 0.1
+
+
+def test_nested_value_and_list_override():
+    cfg = load_config(None, ["optim.betas=[0.8,0.9]", "model.kwargs={a: 1}", "model.kwargs.b=2"])
+    assert cfg.optim.betas == [0.8, 0.9]
+    assert cfg.model.kwargs == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize(
+    "override, expect",
+    [
+        ("optim.lrr=1", ["optim.lrr", "did you mean 'optim.lr'", "override"]),
+        ("trian.steps=3", ["did you mean 'train.steps'"]),
+        ("lr=1", ["did you mean 'optim.lr'"]),
+        ("train.steps=abc", ["train.steps", "abc", "integer"]),
+        ("distributed.strategy=dpp", ["distributed.strategy", "did you mean 'ddp'", "none | ddp | fsdp"]),
+        ("compile.mode=max-autotun", ["compile.mode", "did you mean 'max-autotune'"]),
+        ("train.steps=0", ["train.steps", "> 0"]),
+        ("train.micro_batch_size=-1", ["train.micro_batch_size", "> 0"]),
+        ("optim.lr.x=1", ["'optim.lr' is a value"]),
+        ("steps", ["malformed override 'steps'", "key=value"]),
+        ("optim.betas=[0.9]", ["optim.betas", "two numbers"]),
+        ("model.n_head=5", ["model.n_embd", "divisible"]),
+    ],
+)
+def test_bad_overrides_name_the_key(override, expect):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/tiny.yaml", [override])
+    for piece in expect:
+        assert piece in str(e.value), str(e.value)
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  learning_rate: 1\n")
+    with pytest.raises(ConfigError, match=r"optim.learning_rate.*c\.yaml"):
+        load_config(f)
+
+
+def test_malformed_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: malformed YAML at line"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(lst)
+
+
+def test_cli_user_errors_exit_2_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {steps: 1\n")
+    cases = [
+        (["fit", "configs/tiny.yaml", "optim.lrr=1"], "did you mean 'optim.lr'"),
+        (["fit", "configs/tiny.yaml", "train.steps=abc"], "train.steps"),
+        (["fit", "configs/tiny.yaml", "distributed.strategy=dpp"], "did you mean 'ddp'"),
+        (["fit", str(tmp_path / "missing.yaml")], "not found"),
+        (["fit", str(bad)], "malformed YAML"),
+        (["fit"], "required"),
+    ]
+    for args, needle in cases:
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert needle in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_print_config_shows_resolved_yaml_with_help():
+    r = run_cli("print-config", "configs/tiny.yaml", "optim.lr=0.01")
+    assert r.returncode == 0, r.stderr
+    assert "lr: 0.01  # Peak learning rate." in r.stdout
+    plain = yaml.safe_load(run_cli("print-config", "configs/tiny.yaml", "--no-help").stdout)
+    assert plain["run"]["dir"] == "runs/tiny"
+
+
+def test_yaml_round_trip():
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["optim.lr=0.01"])
+    text = to_yaml(cfg)
+    assert load_config(None, [f"{k}={v}" for k, v in _flat(yaml.safe_load(text))]) == cfg
+
+
+def _flat(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def test_readme_config_reference_in_sync():
+    readme = (ROOT / "README.md").read_text()
+    assert reference_markdown() in readme, "run: python scripts/update_config_reference.py"
+    r = subprocess.run([sys.executable, "scripts/update_config_reference.py", "--check"], cwd=ROOT)
+    assert r.returncode == 0
+
+
+def test_every_field_has_help():
+    from trainer.config import iter_fields
+
+    missing = [key for key, _, doc, _ in iter_fields() if not doc]
+    assert not missing, f"fields without a docstring: {missing}"
+    assert Path(ROOT / "README.md").exists()

@@ -1,0 +1,74 @@
+"""The built-in GPT and the user-model contract."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from trainer.models import build_model, flops_per_token, loss_of
+
+
+def test_gpt2_small_has_gpt2_shape():
+    m = build_model(preset="gpt2-small", vocab_size=50304, seq_len=1024)
+    params = list(m.parameters())
+    assert len(params) == 148  # as GPT-2 124M in nanoGPT: tied head counted once
+    assert sum(p.numel() for p in params) == 124_475_904
+    assert m.lm_head.weight is m.transformer.wte.weight
+    # 6N + 12 L C T with N excluding position embeddings (nanoGPT's estimate_mfu)
+    n = 124_475_904 - 1024 * 768
+    assert flops_per_token(m, 1024) == 6 * n + 12 * 12 * 768 * 1024
+
+
+def test_forward_loss_and_logits():
+    torch.manual_seed(0)
+    m = build_model(preset=None, vocab_size=256, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    idx, targets = torch.randint(0, 256, (2, 3, 16))
+    loss = m(idx, targets)
+    # init std 0.02 gives near-uniform predictions: ln 256 = 5.545; observed 5.55 +- 0.02 over seeds
+    assert loss.shape == () and abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.1
+    logits = m(idx)
+    assert logits.shape == (3, 16, 256)
+    ref = torch.nn.functional.cross_entropy(logits.view(-1, 256), targets.view(-1))
+    torch.testing.assert_close(loss, ref)
+    # causal: the first position's logits do not depend on later tokens
+    idx2 = idx.clone()
+    idx2[:, 5:] = (idx2[:, 5:] + 1) % 256
+    torch.testing.assert_close(m(idx2)[:, :5], logits[:, :5])
+
+
+def test_user_model_target(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(
+        textwrap.dedent("""
+        import torch, torch.nn as nn
+        class Tiny(nn.Module):
+            def __init__(self, vocab, width):
+                super().__init__()
+                self.emb = nn.Embedding(vocab, width)
+                self.out = nn.Linear(width, vocab)
+            def forward(self, idx, targets):
+                logits = self.out(self.emb(idx))
+                return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        def make(vocab=256, width=8):
+            return Tiny(vocab, width)
+        def not_a_module():
+            return 3
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    m = build_model(preset=None, vocab_size=256, seq_len=8, target="mymodels:make", kwargs={"width": 4})
+    idx = torch.randint(0, 256, (2, 8))
+    assert loss_of(m(idx, idx)).shape == ()
+    assert flops_per_token(m, 8) == 6 * sum(p.numel() for p in m.parameters())
+    with pytest.raises(ValueError, match="expected an nn.Module"):
+        build_model(preset=None, vocab_size=256, seq_len=8, target="mymodels:not_a_module")
+    with pytest.raises(ValueError, match="cannot import"):
+        build_model(preset=None, vocab_size=256, seq_len=8, target="nopkg_xyz.mod:f")
+    with pytest.raises(ValueError, match="rejected its arguments"):
+        build_model(preset=None, vocab_size=256, seq_len=8, target="mymodels:make", kwargs={"depth": 1})
+    sys.modules.pop("mymodels", None)
+
+
+def test_loss_of_rejects_non_scalars():
+    with pytest.raises(ValueError, match="scalar loss"):
+        loss_of(torch.zeros(3))

@@ -1,0 +1,257 @@
+"""Checkpoints: atomic, keep-N, a ``last`` pointer, and loading that never runs code.
+
+Layout of ``<run.dir>/checkpoints/``::
+
+    step_000040/            one complete checkpoint
+      model.pt              the model's state dict (tensors only)
+      optim.pt              optimizer + LR scheduler (+ grad scaler) state (tensors and plain containers)
+      rng_rank<R>.pt        each rank's RNG states (Python, NumPy, torch CPU, CUDA)
+      meta.json             step, tokens seen, sampler position, the resolved config
+    last                    a text file naming the newest complete checkpoint
+
+A checkpoint is written into a temporary directory, each file fsynced, then renamed into
+place; ``last`` moves (write + fsync + rename) only after that, and old checkpoints are
+pruned only after ``last`` moved. A crash at any moment leaves ``last`` naming a complete
+checkpoint. Files load with ``torch.load(weights_only=True)``: a pickled object that would
+run code is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+META = "meta.json"
+LAST = "last"
+# Keys of the config that fix the model's shape: a resume must not change them.
+SHAPE_KEYS = [
+    "model.preset",
+    "model.n_layer",
+    "model.n_head",
+    "model.n_embd",
+    "model.bias",
+    "model.target",
+    "model.kwargs",
+    "data.vocab_size",
+    "data.seq_len",
+    "optim.name",
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, truncated, corrupt, unsafe or incompatible (exit 2)."""
+
+
+def _fault(point: str) -> None:
+    """Fault injection for tests: ``TRAINER_FAULT=<point>`` kills this process at that point."""
+    if os.environ.get("TRAINER_FAULT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(_tuples(state["python"]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def save(
+    ckpt_root: Path,
+    *,
+    step: int,
+    model_state: dict,
+    optim_state: dict,
+    meta: dict,
+    rng: dict,
+    rank: int,
+    is_main: bool,
+    keep: int,
+    barrier=lambda: None,
+) -> Path:
+    """Write one checkpoint atomically and move ``last`` to it.
+
+    Every rank calls this; ``rank`` writes its RNG file, the main rank writes the rest and
+    renames. ``barrier`` separates the phases when several ranks write.
+    """
+    name = checkpoint_name(step)
+    final = ckpt_root / name
+    tmp = ckpt_root / f".tmp-{name}"
+    if is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    _save_file(rng, tmp / f"rng_rank{rank}.pt")
+    if is_main:
+        _save_file(model_state, tmp / "model.pt")
+        _fault("checkpoint_write")
+        _save_file(optim_state, tmp / "optim.pt")
+        with open(tmp / META, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    barrier()
+    if is_main:
+        _fsync_dir(tmp)
+        if final.exists():  # a re-save of the same step (e.g. a signal right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_root)
+        pointer = ckpt_root / f".{LAST}.tmp"
+        pointer.write_text(name + "\n")
+        with open(pointer, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(pointer, ckpt_root / LAST)
+        _fsync_dir(ckpt_root)
+        _prune(ckpt_root, keep)
+    barrier()
+    return final
+
+
+def _prune(ckpt_root: Path, keep: int) -> None:
+    done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and (p / META).exists())
+    current = (ckpt_root / LAST).read_text().strip()
+    for old in done[:-keep]:
+        if old.name != current:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in ckpt_root.glob(".tmp-step_*"):  # a save that a crash interrupted
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def resolve(spec: str, run_dir: Path) -> Path:
+    """``last`` -> the checkpoint that ``<run_dir>/checkpoints/last`` names; otherwise a path.
+
+    ``PATH`` may be a checkpoint directory, a run directory, or its ``checkpoints/`` directory.
+    """
+    if spec == "last":
+        root = run_dir / "checkpoints"
+        pointer = root / LAST
+        if not pointer.exists():
+            raise CheckpointError(f"resume=last: no complete checkpoint in {root} (no '{LAST}' file)")
+        return root / pointer.read_text().strip()
+    p = Path(spec)
+    for candidate in (p / "checkpoints" / LAST, p / LAST):
+        if candidate.is_file():
+            return candidate.parent / candidate.read_text().strip()
+    if not p.exists():
+        raise CheckpointError(f"resume={spec}: no such checkpoint directory")
+    return p
+
+
+def _load_file(path: Path, device: torch.device) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - every failure to read is the same user error: a bad file
+        reason = str(e).strip().splitlines()
+        reason = next((line for line in reason if line.strip()), type(e).__name__)
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            reason = "it holds a pickled object that would run code on load; refusing to load it"
+        raise CheckpointError(f"cannot load checkpoint file {path}: {reason[:300]}") from None
+
+
+def load(path: Path, *, rank: int, device: torch.device) -> dict:
+    """Read a checkpoint directory: ``{"model", "optim", "rng", "meta"}``.
+
+    Raises:
+        CheckpointError: naming the file and the problem.
+    """
+    if not path.is_dir():
+        raise CheckpointError(f"not a checkpoint directory: {path}")
+    meta_path = path / META
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"incomplete checkpoint {path}: {META} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"corrupt checkpoint file {meta_path}: {e}") from None
+    rng_path = path / f"rng_rank{rank}.pt"
+    return {
+        "meta": meta,
+        "model": _load_file(path / "model.pt", device),
+        "optim": _load_file(path / "optim.pt", device),
+        "rng": _load_file(rng_path, torch.device("cpu")) if rng_path.exists() else None,
+    }
+
+
+def _get(d: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def compare_configs(saved: dict, current: dict, path: Path) -> list[str]:
+    """Changes between a checkpoint's config and the current one.
+
+    Returns:
+        ``"key: old -> new"`` lines for allowed changes.
+
+    Raises:
+        CheckpointError: a change that cannot work (model shape, vocabulary, optimizer type).
+    """
+    for key in SHAPE_KEYS:
+        if _get(saved, key) != _get(current, key):
+            raise CheckpointError(
+                f"checkpoint {path} is incompatible with this config: {key} was {_get(saved, key)!r}, "
+                f"now {_get(current, key)!r}; the model or optimizer would not match. Use the original value or "
+                "start a fresh run (another run.dir)."
+            )
+    a, b = _flatten(saved), _flatten(current)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]

@@ -1,0 +1,149 @@
+"""``trainer fit | print-config | explain | plot``: a thin argparse front end.
+
+User errors (config, overrides, files, checkpoints) print one paragraph to stderr and exit 2,
+with no traceback (``TRAINER_DEBUG=1`` shows it). Everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_USER_ERROR = 2
+EXIT_TRAINING_FAILED = 1
+
+USAGE_EXAMPLES = """examples:
+  trainer fit configs/tiny.yaml
+  trainer fit configs/tiny.yaml optim.lr=3e-4 train.steps=500
+  trainer fit configs/tiny.yaml resume=last
+  torchrun --nproc-per-node 2 -m trainer fit configs/gpt2-small-ddp.yaml
+  trainer print-config configs/tiny.yaml
+  trainer plot runs/tiny runs/tiny-lr3e-4
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: exit 2, with the usage line
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"trainer: error: {message}\n")
+        sys.exit(EXIT_USER_ERROR)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="trainer",
+        description="Train PyTorch models from a YAML config, with the whole step compiled.",
+        epilog=USAGE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    over = "key=value overrides (later wins), e.g. optim.lr=3e-4; resume=last|PATH resumes (fit only)"
+    f = sub.add_parser("fit", help="train from a config")
+    f.add_argument("config", help="YAML config file")
+    f.add_argument("overrides", nargs="*", help=over)
+    pc = sub.add_parser("print-config", help="print the resolved config with each field's help")
+    pc.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
+    pc.add_argument("overrides", nargs="*", help=over)
+    pc.add_argument("--no-help", action="store_true", help="plain YAML without the help comments")
+    e = sub.add_parser("explain", help="run a few compiled steps and print the compile report")
+    e.add_argument("config", help="YAML config file")
+    e.add_argument("overrides", nargs="*", help=over)
+    e.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
+    e.add_argument("--dump-code", metavar="DIR", help="write the code Inductor generated, per graph, into DIR")
+    pl = sub.add_parser("plot", help="plot loss, tokens/s and lr of one or more runs to a PNG")
+    pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (holding metrics.jsonl)")
+    pl.add_argument("-o", "--out", help="PNG path (default: <first run>/plot.png)")
+    return p
+
+
+def _split_resume(overrides: list[str]) -> tuple[list[str], str | None]:
+    resume, rest = None, []
+    for item in overrides:
+        if item.startswith("resume="):
+            resume = item.partition("=")[2]
+            if not resume:
+                raise ValueError("resume: expected resume=last or resume=PATH")
+        else:
+            rest.append(item)
+    return rest, resume
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError
+
+    try:
+        return _run(args)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        if os.environ.get("TRAINER_DEBUG"):
+            raise
+        _user_error(e)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _user_error(e: Exception) -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"trainer: error (rank {rank})" if rank not in (None, "0") else "trainer: error"
+    print(f"{prefix}: {e}", file=sys.stderr)
+
+
+def _run(args) -> int:
+    from trainer.config import load_config, to_yaml
+
+    if args.command == "print-config":
+        if args.config and "=" in args.config and not os.path.exists(args.config):
+            args.overrides.insert(0, args.config)  # `trainer print-config optim.lr=1` (defaults + overrides)
+            args.config = None
+        cfg = load_config(args.config, args.overrides)
+        sys.stdout.write(to_yaml(cfg, with_help=not args.no_help))
+        return 0
+    if args.command == "plot":
+        from trainer.plot import plot_runs
+
+        print(plot_runs(args.runs, args.out))
+        return 0
+    overrides, resume = _split_resume(args.overrides)
+    if args.command == "explain" and resume:
+        raise ValueError("resume: not supported by explain")
+    cfg = load_config(args.config, overrides)
+    if args.command == "explain":
+        from trainer.compile.report import explain
+
+        explain(cfg, steps=args.steps, dump_code=args.dump_code)
+        return 0
+    from trainer.loop import Trainer, TrainingError
+
+    try:
+        summary = Trainer(cfg, resume=resume).fit()
+    except TrainingError as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    if os.environ.get("RANK", "0") == "0":
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    parts = [f"done: {s.get('steps')} steps"]
+    if s.get("loss") is not None:
+        parts.append(f"loss {s['loss']:.4f}")
+    if s.get("val_loss") is not None:
+        parts.append(f"val_loss {s['val_loss']:.4f}")
+    if s.get("mean_tokens_per_s"):
+        parts.append(f"{s['mean_tokens_per_s']:,.0f} tok/s")
+    if s.get("first_step_s") is not None:
+        parts.append(f"first step {s['first_step_s']:.1f} s")
+    if s.get("peak_mem_gb") is not None:
+        parts.append(f"peak mem {s['peak_mem_gb']:.2f} GB")
+    if s.get("checkpoint"):
+        parts.append(f"checkpoint {s['checkpoint']}")
+    print(" | ".join(parts), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

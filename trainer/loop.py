@@ -1,0 +1,432 @@
+"""The fit loop: build everything from the config, then accumulate, clip, step, schedule, evaluate, save.
+
+Reads top to bottom like nanoGPT's train.py: :meth:`Trainer.fit` is the whole story; the
+helpers below it each build one piece.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from trainer import checkpoint as ckpt
+from trainer.config import Config, to_dict, to_yaml
+from trainer.data import Batches, load_corpus
+from trainer.distributed import env as dist_env
+from trainer.metrics import Metrics, peak_flops
+from trainer.models import build_model, flops_per_token, loss_of
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a NaN loss, too many recompiles); the message says why and what was kept."""
+
+
+class Trainer:
+    """Trains a model as a :class:`~trainer.config.Config` describes.
+
+    Args:
+        cfg: the validated config (see :func:`trainer.load_config`).
+        resume: ``"last"``, a checkpoint path, or None for a fresh run.
+    """
+
+    def __init__(self, cfg: Config, resume: str | None = None):
+        self.cfg = cfg
+        self.resume = resume
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train for ``train.steps`` steps. Returns a summary (final loss, val loss, tokens/s, ...)."""
+        cfg = self.cfg
+        env = dist_env.setup(cfg.train.device, cfg.distributed.backend)
+        try:
+            with self._signals():
+                return self._fit(cfg, env)
+        finally:
+            dist_env.teardown(env)
+
+    def _fit(self, cfg: Config, env: dist_env.DistEnv) -> dict:
+        device = env.device
+        run_dir = Path(cfg.run.dir)
+        if env.is_main:
+            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        _seed_everything(cfg.seed)
+
+        corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len)
+        batches = Batches(
+            corpus,
+            seq_len=cfg.data.seq_len,
+            micro_batch_size=cfg.train.micro_batch_size,
+            grad_accum=cfg.train.grad_accum,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=cfg.seed,
+            device=device,
+        )
+        m = cfg.model
+        raw_model = build_model(
+            preset=m.preset, vocab_size=corpus.vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer,
+            n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, fused_loss=m.fused_loss,
+            target=m.target, kwargs=dict(m.kwargs),
+        ).to(device)  # fmt: skip
+        amp_dtype = _amp_dtype(cfg.train.precision, device)
+        scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
+        opt = _build_optimizer(raw_model, cfg, device)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+        start_step, tokens_seen = 0, 0
+        if self.resume:
+            start_step, tokens_seen = self._restore(raw_model, opt, sched, scaler, env, run_dir)
+
+        metrics = Metrics(
+            run_dir if env.is_main else None,
+            total_steps=cfg.train.steps,
+            progress=cfg.log.progress,
+            tensorboard=cfg.log.tensorboard,
+            start_step=start_step,
+        )
+        model = self._wrap(raw_model, cfg, env, say=metrics.print)
+        n_params = sum(p.numel() for p in raw_model.parameters())
+        fpt = flops_per_token(raw_model, cfg.data.seq_len)
+        peak = peak_flops(device, cfg.log.peak_flops)
+        tokens_per_step = batches.global_batch * cfg.data.seq_len
+        metrics.print(
+            f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
+            f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}"
+            f"{f' x{env.world_size}' if env.distributed else ''}, {_precision_name(amp_dtype)}, "
+            f"compile {'on (' + cfg.compile.backend + ')' if cfg.compile.enabled else 'off'}; "
+            f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {run_dir}"
+        )
+
+        autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+        accum = cfg.train.grad_accum
+        clips_itself = getattr(opt, "clips_grad_norm", False)
+        speed = _Speed()
+        last_saved, summary = None, {}
+        step = start_step
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        model.train()
+        while step < cfg.train.steps:
+            t_step = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(accum):
+                x, y = batches.train_batch(step, micro)
+                with self._maybe_no_sync(model, micro < accum - 1), autocast:
+                    loss = loss_of(model(x, y))
+                scaled = loss / accum
+                (scaler.scale(scaled) if scaler else scaled).backward()
+                loss_sum += loss.detach()
+            if scaler is not None:
+                scaler.unscale_(opt)
+            grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
+            loss_val = loss_sum / accum
+            if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):
+                opt.zero_grad(set_to_none=True)
+                metrics.print(f"[yellow]step {step + 1}: non-finite loss or gradient norm; update skipped[/yellow]")
+                step += 1
+                sched.step()
+                continue
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens_per_step
+            loss_f = dist_env.all_reduce_mean(loss_val, env).item()  # also the step's host sync
+            speed.add(tokens_per_step, time.perf_counter() - t_step, first=(step == start_step + 1))
+            if not math.isfinite(loss_f):
+                metrics.close()
+                where = f"; the last good checkpoint is {last_saved}" if last_saved else ""
+                raise TrainingError(
+                    f"loss is {loss_f} at step {step}: stopping without saving{where}. Lower optim.lr, raise "
+                    "schedule.warmup_steps, check the data, or set train.on_nan=skip."
+                )
+            metrics.advance(step, loss_f, speed.last_tps)
+
+            record = None
+            if step % cfg.log.every == 0 or step == cfg.train.steps:
+                tps, step_time = speed.read()
+                record = {
+                    "step": step,
+                    "loss": loss_f,
+                    "lr": opt.param_groups[0]["lr"],
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens_per_s": tps,
+                    "step_time": step_time,
+                    "tokens": tokens_seen,
+                }
+                if peak is not None:
+                    record["mfu"] = fpt * tps / env.world_size / peak
+                if device.type == "cuda":
+                    record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+            evaluate_now = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+            if evaluate_now:
+                val = self._evaluate(model, batches, autocast, env)
+                record = record or {"step": step}
+                record["val_loss"] = val
+            if record is not None:
+                metrics.log(record)
+                summary.update(record)
+
+            stop = dist_env.any_rank(self._stop_requested, env)
+            save_now = stop or step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+            if save_now:
+                last_saved = self._save(raw_model, opt, sched, scaler, env, run_dir, step, tokens_seen, batches)
+                if stop:
+                    metrics.print(f"[yellow]stopped by signal at step {step}; checkpoint saved: {last_saved}[/yellow]")
+                    break
+
+        metrics.close()
+        summary.update(
+            steps=step,
+            first_step_s=speed.first_step_s,
+            mean_tokens_per_s=speed.mean_tps,
+            run_dir=str(run_dir),
+            checkpoint=str(last_saved) if last_saved else None,
+            stopped=self._stop_requested,
+        )
+        if device.type == "cuda":
+            summary["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        return summary
+
+    # ------------------------------------------------------------------------------------------
+    def _wrap(self, model: nn.Module, cfg: Config, env, say) -> nn.Module:
+        """Compilation and data-parallel wrapping: the module the loop calls."""
+        strategy = cfg.distributed.strategy
+        if env.distributed and strategy == "none":
+            raise ValueError(
+                f"distributed.strategy: 'none' with {env.world_size} processes would train {env.world_size} "
+                "independent models; set distributed.strategy=ddp or fsdp"
+            )
+        if strategy != "none" and not env.distributed:
+            say(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
+        if cfg.compile.enabled:
+            from trainer.compile.capture import apply_compile
+
+            model = apply_compile(model, cfg.compile)
+        if env.distributed and strategy == "ddp":
+            from trainer.distributed.ddp import apply_ddp
+
+            model = apply_ddp(model, env, bucket_mb=cfg.distributed.bucket_mb)
+        elif env.distributed and strategy == "fsdp":
+            raise ValueError("distributed.strategy: fsdp is not available yet; use ddp")
+        return model
+
+    @staticmethod
+    def _maybe_no_sync(model: nn.Module, skip_reduction: bool):
+        no_sync = getattr(model, "no_sync", None)
+        return no_sync() if (skip_reduction and no_sync is not None) else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def _evaluate(self, model: nn.Module, batches: Batches, autocast, env) -> float:
+        model.eval()
+        total = torch.zeros((), device=env.device)
+        for i in range(self.cfg.train.eval_batches):
+            x, y = batches.val_batch(i)
+            with autocast:
+                total += loss_of(model(x, y)).float()
+        model.train()
+        return dist_env.all_reduce_mean(total / self.cfg.train.eval_batches, env).item()
+
+    def _save(self, raw_model, opt, sched, scaler, env, run_dir, step, tokens_seen, batches) -> Path:
+        optim_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+        if scaler is not None:
+            optim_state["scaler"] = scaler.state_dict()
+        meta = {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "sampler": batches.state_dict(next_step=step),
+            "world_size": env.world_size,
+            "config": to_dict(self.cfg),
+        }
+        barrier = (lambda: torch.distributed.barrier()) if env.distributed else (lambda: None)
+        return ckpt.save(
+            run_dir / "checkpoints",
+            step=step,
+            model_state=raw_model.state_dict(),
+            optim_state=optim_state,
+            meta=meta,
+            rng=ckpt.rng_state(env.device),
+            rank=env.rank,
+            is_main=env.is_main,
+            keep=self.cfg.checkpoint.keep,
+            barrier=barrier,
+        )
+
+    def _restore(self, raw_model, opt, sched, scaler, env, run_dir) -> tuple[int, int]:
+        path = ckpt.resolve(self.resume, run_dir)
+        state = ckpt.load(path, rank=env.rank, device=env.device)
+        meta = state["meta"]
+        changes = ckpt.compare_configs(meta.get("config", {}), to_dict(self.cfg), path)
+        try:
+            raw_model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"]["optimizer"])
+            sched.load_state_dict(state["optim"]["scheduler"])
+            if scaler is not None and "scaler" in state["optim"]:
+                scaler.load_state_dict(state["optim"]["scaler"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise ckpt.CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {e}") from None
+        # The schedule follows the current config (its lambdas are not in the checkpoint), so a changed
+        # optim.lr or train.steps takes effect on resume; unchanged, the LR continues exactly.
+        sched.base_lrs = [self.cfg.optim.lr for _ in sched.base_lrs]
+        for group, lam in zip(opt.param_groups, sched.lr_lambdas):
+            group["lr"] = self.cfg.optim.lr * lam(sched.last_epoch)
+        if state["rng"] is not None:
+            ckpt.set_rng_state(state["rng"], env.device)
+        if env.is_main:
+            print(f"resumed from {path} at step {meta['step']}", flush=True)
+            for line in changes:
+                if not line.startswith(("run.", "model.kwargs")):
+                    print(f"  changed on resume: {line}", flush=True)
+        return int(meta["step"]), int(meta.get("tokens_seen", 0))
+
+    @contextlib.contextmanager
+    def _signals(self):
+        """SIGINT/SIGTERM: finish the current step, save a checkpoint, exit cleanly. A second SIGINT aborts."""
+
+        def handler(signum, frame):
+            if self._stop_requested and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            print(
+                f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint"
+                + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""),
+                flush=True,
+            )
+
+        try:
+            old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: leave signals alone
+            yield
+            return
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+# ----------------------------------------------------------------------------------------------
+class _Speed:
+    """Step timing: the first (compile) step apart, then tokens/s and step time between log lines."""
+
+    def __init__(self):
+        self.first_step_s = None
+        self.last_tps = None
+        self._tokens = self._time = self._steps = 0
+        self._all_tokens = self._all_time = 0.0
+
+    def add(self, tokens: int, seconds: float, first: bool) -> None:
+        if first:
+            self.first_step_s = seconds
+        else:
+            self._all_tokens += tokens
+            self._all_time += seconds
+        self._tokens += tokens
+        self._time += seconds
+        self._steps += 1
+        self.last_tps = tokens / max(seconds, 1e-9)
+
+    def read(self) -> tuple[float, float]:
+        """Tokens/s and seconds per step since the last read."""
+        out = self._tokens / max(self._time, 1e-9), self._time / max(self._steps, 1)
+        self._tokens = self._time = self._steps = 0
+        return out
+
+    @property
+    def mean_tps(self) -> float | None:
+        """Mean tokens/s over the run, the first step excluded."""
+        return self._all_tokens / self._all_time if self._all_time else None
+
+
+def lr_lambda(cfg: Config):
+    """Multiplier of optim.lr at a step: linear warm-up, then cosine/linear decay to min_lr_ratio."""
+    warmup, total = cfg.schedule.warmup_steps, cfg.train.steps
+    floor, decay = cfg.schedule.min_lr_ratio, cfg.schedule.decay
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if decay == "constant" or total <= warmup:
+            return 1.0
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if decay == "cosine" else 1.0 - progress
+        return floor + (1.0 - floor) * shape
+
+    return f
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: not on norms, biases or embeddings (tied heads count as embeddings)."""
+    embedding_ids = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 and id(p) not in embedding_ids else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    from trainer.compile.optimizer import build_optimizer
+
+    o = cfg.optim
+    return build_optimizer(
+        param_groups(model, o.weight_decay),
+        name=o.name,
+        impl=o.impl,
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        momentum=o.momentum,
+        max_grad_norm=o.grad_clip,
+        device=device,
+    )
+
+
+def _clip(model: nn.Module, opt, max_norm: float, clips_itself: bool):
+    """Clip by global norm unless the optimizer does it inside its kernel; returns the pre-clip norm."""
+    if clips_itself:
+        return getattr(opt, "last_grad_norm", None)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
+
+
+def _all_finite(loss: torch.Tensor, grad_norm, env) -> bool:
+    ok = torch.isfinite(loss).all()
+    if grad_norm is not None:
+        ok = ok & torch.isfinite(torch.as_tensor(grad_norm, device=loss.device)).all()
+    return not dist_env.any_rank(not bool(ok), env)
+
+
+def _amp_dtype(precision: str, device: torch.device):
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _precision_name(dtype) -> str:
+    return {None: "fp32", torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + grad scaler"}[dtype]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
