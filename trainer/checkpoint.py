@@ -50,9 +50,9 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, truncated, corrupt, unsafe or incompatible (exit 2)."""
 
 
-def _fault(point: str) -> None:
-    """Fault injection for tests: ``TRAINER_FAULT=<point>`` kills this process at that point."""
-    if os.environ.get("TRAINER_FAULT") == point:
+def fault_point(point: str, step: int) -> None:
+    """Fault injection for tests: ``TRAINER_FAULT=<point>:<step>`` SIGKILLs this process there."""
+    if os.environ.get("TRAINER_FAULT") == f"{point}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -128,7 +128,7 @@ def save(
     _save_file(rng, tmp / f"rng_rank{rank}.pt")
     if is_main:
         _save_file(model_state, tmp / "model.pt")
-        _fault("checkpoint_write")
+        fault_point("checkpoint_write", step)  # between two files: the checkpoint is incomplete
         _save_file(optim_state, tmp / "optim.pt")
         with open(tmp / META, "w") as f:
             json.dump(meta, f, indent=1)
@@ -149,6 +149,7 @@ def save(
         _fsync_dir(ckpt_root)
         _prune(ckpt_root, keep)
     barrier()
+    fault_point("after_checkpoint", step)
     return final
 
 

@@ -168,8 +168,6 @@ class CompileConfig:
     """On a compile failure: stop (error) or log loudly and run eagerly (eager)."""
     cache_dir: str | None = None
     """Compile cache directory; null = inside the run directory."""
-    cudagraphs: bool = False
-    """Replay the step as CUDA graphs where shapes are static (GPU only)."""
 
 
 @dataclass(kw_only=True)
@@ -246,6 +244,13 @@ class Config:
             shape.update({k: getattr(self.model, k) for k in ("n_embd", "n_head") if getattr(self.model, k)})
             if shape["n_embd"] % shape["n_head"]:
                 raise ConfigError(f"model.n_embd: {shape['n_embd']} is not divisible by model.n_head={shape['n_head']}")
+        if self.compile.autograd and self.distributed.strategy == "fsdp":
+            # Upstream removed FSDP2 + compiled autograd support in 2.13: it runs without error and leaves
+            # parameters unsharded and gradients unreduced. Refuse rather than train silently wrong.
+            raise ConfigError(
+                "compile.autograd: compiled autograd with distributed.strategy=fsdp is silently wrong in torch "
+                ">= 2.13 (parameters stay unsharded, gradients are not reduced); set compile.autograd=false"
+            )
         if self.model.fused_loss and self.model.target is not None:
             raise ConfigError("model.fused_loss: only the built-in GPT has a fused loss; drop it with model.target")
 

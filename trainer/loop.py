@@ -60,6 +60,11 @@ class Trainer:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
         _seed_everything(cfg.seed)
+        compiling = cfg.compile.enabled or cfg.compile.autograd
+        if compiling:
+            from trainer.compile import cache
+
+            cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
 
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len)
         batches = Batches(
@@ -86,6 +91,9 @@ class Trainer:
         start_step, tokens_seen = 0, 0
         if self.resume:
             start_step, tokens_seen = self._restore(raw_model, opt, sched, scaler, env, run_dir)
+            # The compile bundle is generated code: load it only from this run's own directory.
+            if compiling and cache.load_artifacts(run_dir / "checkpoints") and env.is_main:
+                print("loaded the compile cache saved with the checkpoints", flush=True)
 
         metrics = Metrics(
             run_dir if env.is_main else None,
@@ -109,6 +117,21 @@ class Trainer:
 
         autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
         accum = cfg.train.grad_accum
+        backward_ctx = _backward_context(cfg)
+
+        def forward_backward(step: int) -> torch.Tensor:
+            """All micro-steps of one optimizer step; returns the summed (unscaled) loss."""
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(accum):
+                x, y = batches.train_batch(step, micro)
+                with backward_ctx(), self._maybe_no_sync(model, micro < accum - 1):
+                    with autocast:
+                        loss = loss_of(model(x, y))
+                    scaled = loss / accum
+                    (scaler.scale(scaled) if scaler else scaled).backward()
+                loss_sum += loss.detach()
+            return loss_sum
+
         clips_itself = getattr(opt, "clips_grad_norm", False)
         speed = _Speed()
         last_saved, summary = None, {}
@@ -118,14 +141,21 @@ class Trainer:
         model.train()
         while step < cfg.train.steps:
             t_step = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(accum):
-                x, y = batches.train_batch(step, micro)
-                with self._maybe_no_sync(model, micro < accum - 1), autocast:
-                    loss = loss_of(model(x, y))
-                scaled = loss / accum
-                (scaler.scale(scaled) if scaler else scaled).backward()
-                loss_sum += loss.detach()
+            try:
+                loss_sum = forward_backward(step)
+            except Exception as e:
+                if not _is_compile_failure(e):
+                    raise
+                if cfg.compile.fallback == "error":
+                    raise TrainingError(compile_failure_message(e)) from e
+                metrics.print(
+                    f"[bold red]compile failed at step {step + 1}; compile.fallback=eager: running this run "
+                    f"eagerly (forward, backward and compiled autograd).[/bold red] Reason: {_first_line(e)}"
+                )
+                model = self._wrap(_uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
+                backward_ctx = contextlib.nullcontext
+                opt.zero_grad(set_to_none=True)
+                loss_sum = forward_backward(step)
             if scaler is not None:
                 scaler.unscale_(opt)
             grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
@@ -203,7 +233,7 @@ class Trainer:
         return summary
 
     # ------------------------------------------------------------------------------------------
-    def _wrap(self, model: nn.Module, cfg: Config, env, say) -> nn.Module:
+    def _wrap(self, model: nn.Module, cfg: Config, env, say, compile: bool = True) -> nn.Module:
         """Compilation and data-parallel wrapping: the module the loop calls."""
         strategy = cfg.distributed.strategy
         if env.distributed and strategy == "none":
@@ -213,7 +243,7 @@ class Trainer:
             )
         if strategy != "none" and not env.distributed:
             say(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
-        if cfg.compile.enabled:
+        if compile and cfg.compile.enabled:
             from trainer.compile.capture import apply_compile
 
             model = apply_compile(model, cfg.compile)
@@ -253,6 +283,10 @@ class Trainer:
             "config": to_dict(self.cfg),
         }
         barrier = (lambda: torch.distributed.barrier()) if env.distributed else (lambda: None)
+        if env.is_main and (self.cfg.compile.enabled or self.cfg.compile.autograd):
+            from trainer.compile import cache
+
+            cache.save_artifacts(run_dir / "checkpoints")
         return ckpt.save(
             run_dir / "checkpoints",
             step=step,
@@ -414,6 +448,43 @@ def _all_finite(loss: torch.Tensor, grad_norm, env) -> bool:
     if grad_norm is not None:
         ok = ok & torch.isfinite(torch.as_tensor(grad_norm, device=loss.device)).all()
     return not dist_env.any_rank(not bool(ok), env)
+
+
+def _backward_context(cfg: Config):
+    """A factory of the context each micro-step's forward and backward run in: compiled autograd or nothing."""
+    if not cfg.compile.autograd:
+        return contextlib.nullcontext
+    from trainer.compile.autograd import compiled_autograd
+
+    c = cfg.compile
+    mode = c.mode if c.backend == "inductor" else None
+    return lambda: compiled_autograd(c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph)
+
+
+def _is_compile_failure(e: BaseException) -> bool:
+    exc = getattr(getattr(torch, "_dynamo", None), "exc", None)
+    return exc is not None and isinstance(e, exc.TorchDynamoException)
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def compile_failure_message(e: BaseException) -> str:
+    from trainer.compile.capture import reproducer_hint
+
+    return (
+        f"compile failed: {type(e).__name__}: {_first_line(e)}\n"
+        f"Set compile.fallback=eager to run eagerly instead, or compile.enabled=false.\n{reproducer_hint()}"
+    )
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """Undo ``nn.Module.compile`` on every submodule (per-block compile); the model itself is never wrapped."""
+    for mod in model.modules():
+        if getattr(mod, "_compiled_call_impl", None) is not None:
+            mod._compiled_call_impl = None
+    return model
 
 
 def _amp_dtype(precision: str, device: torch.device):

@@ -1,0 +1,139 @@
+"""End-to-end runs of `trainer fit` on CPU: training, metrics, exact resume, crashes, signals, NaN."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import FAST, ROOT, run_cli
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _fit(run_dir, *extra, env=None):
+    r = run_cli("fit", "configs/tiny.yaml", *FAST, f"run.dir={run_dir}", *extra, env=env)
+    return r
+
+
+def test_fit_trains_and_writes_the_run_dir(tmp_path):
+    r = _fit(tmp_path, "train.steps=30", "optim.lr=3e-3", "train.eval_every=15", "checkpoint.every=10")
+    assert r.returncode == 0, r.stderr
+    rows = _metrics(tmp_path)
+    assert [x["step"] for x in rows if "loss" in x] == [5, 10, 15, 20, 25, 30]
+    for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "step_time"):
+        assert all(key in x for x in rows if "loss" in x), key
+    assert "mfu" not in rows[0]  # no peak FLOP/s on CPU
+    assert [x["step"] for x in rows if "val_loss" in x] == [15, 30]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, rows  # from ~5.5 it falls fast at this lr
+    assert (tmp_path / "config.yaml").read_text().count("lr: 0.003") == 1
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert ckpts == ["last", "step_000010", "step_000020", "step_000030"]
+    assert (tmp_path / "checkpoints/last").read_text().strip() == "step_000030"
+    assert "done: 30 steps" in r.stdout
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    common = ["train.steps=40", "log.every=1", "checkpoint.every=20", "train.eval_every=0", "model.dropout=0.1"]
+    assert _fit(straight, *common).returncode == 0
+    # The process dies (SIGKILL) right after the step-20 checkpoint; resume=last continues it.
+    r = _fit(broken, *common, env={"TRAINER_FAULT": "after_checkpoint:20"})
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    r = _fit(broken, *common, "resume=last")
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    a = {x["step"]: x["loss"] for x in _metrics(straight) if "loss" in x}
+    b = {x["step"]: x["loss"] for x in _metrics(broken) if "loss" in x}
+    assert sorted(b) == list(range(1, 41))
+    for step in range(21, 41):
+        assert a[step] == b[step], (step, a[step], b[step])  # bitwise: same floats, not merely close
+    pa = torch.load(straight / "checkpoints/step_000040/model.pt", weights_only=True)
+    pb = torch.load(broken / "checkpoints/step_000040/model.pt", weights_only=True)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path):
+    common = ["train.steps=30", "checkpoint.every=10", "checkpoint.keep=5"]
+    r = _fit(tmp_path, *common, env={"TRAINER_FAULT": "checkpoint_write:20"})
+    assert r.returncode == -signal.SIGKILL
+    root = tmp_path / "checkpoints"
+    assert (root / "last").read_text().strip() == "step_000010"
+    assert not (root / "step_000020").exists() and (root / ".tmp-step_000020").exists()
+    r = _fit(tmp_path, *common, "resume=last")
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout and "step_000010" in r.stdout
+    assert (root / "last").read_text().strip() == "step_000030"
+    assert not (root / ".tmp-step_000020").exists()  # the torn write is cleaned up
+
+
+def test_bad_checkpoints_exit_2_naming_the_file(tmp_path):
+    assert _fit(tmp_path, "train.steps=5").returncode == 0
+    model_pt = tmp_path / "checkpoints/step_000005/model.pt"
+    data = model_pt.read_bytes()
+    model_pt.write_bytes(data[: len(data) // 2])
+    r = _fit(tmp_path, "train.steps=10", "resume=last")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert str(model_pt) in r.stderr, r.stderr
+
+    # A checkpoint file carrying a pickled object that runs code on load is refused, and the code never runs.
+    marker = tmp_path / "pwned"
+    code = (
+        "import os, torch\n"
+        "class Evil:\n"
+        "    def __reduce__(self):\n"
+        f"        return (os.system, ('touch {marker}',))\n"
+        f"torch.save({{'x': Evil()}}, '{model_pt}')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    r = _fit(tmp_path, "train.steps=10", "resume=last")
+    assert r.returncode == 2, r.stderr
+    assert "would run code" in r.stderr and str(model_pt) in r.stderr
+    assert not marker.exists()
+
+
+def test_resume_rejects_an_incompatible_config_and_reports_changes(tmp_path):
+    assert _fit(tmp_path, "train.steps=5").returncode == 0
+    r = _fit(tmp_path, "train.steps=10", "model.n_embd=64", "resume=last")
+    assert r.returncode == 2 and "model.n_embd" in r.stderr and "incompatible" in r.stderr
+    r = _fit(tmp_path, "train.steps=8", "optim.lr=1e-3", "resume=last")
+    assert r.returncode == 0, r.stderr
+    assert "changed on resume: optim.lr" in r.stdout and "train.steps: 5 -> 8" in r.stdout
+    r = _fit(tmp_path / "fresh", "resume=last")
+    assert r.returncode == 2 and "no complete checkpoint" in r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig):
+    cmd = [sys.executable, "-m", "trainer", "fit", "configs/tiny.yaml", *FAST, f"run.dir={tmp_path}",
+           "train.steps=100000", "log.every=1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "saving a checkpoint" in out and "stopped by signal" in err
+    last = (tmp_path / "checkpoints/last").read_text().strip()
+    meta = json.loads((tmp_path / "checkpoints" / last / "meta.json").read_text())
+    assert meta["step"] == _metrics(tmp_path)[-1]["step"] >= 3
+
+
+def test_nan_loss_stops_without_overwriting_the_last_checkpoint(tmp_path):
+    r = _fit(tmp_path, "train.steps=60", "checkpoint.every=2", "optim.lr=1e4", "optim.grad_clip=0",
+             "schedule.warmup_steps=0", "log.every=1")  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "loss is nan" in r.stderr or "loss is inf" in r.stderr
+    step = int(r.stderr.split(" at step ")[1].split(":")[0])
+    last = (tmp_path / "checkpoints/last").read_text().strip()
+    assert int(last.split("_")[1]) < step
+    assert "Traceback" not in r.stderr
