@@ -137,3 +137,16 @@ def test_nan_loss_stops_without_overwriting_the_last_checkpoint(tmp_path):
     last = (tmp_path / "checkpoints/last").read_text().strip()
     assert int(last.split("_")[1]) < step
     assert "Traceback" not in r.stderr
+
+
+def test_tensorboard_and_plot(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _fit(a, "train.steps=10", "log.tensorboard=true", "train.eval_every=5").returncode == 0
+    assert list((a / "tb").glob("events.out.tfevents.*"))
+    assert _fit(b, "train.steps=10", "optim.lr=1e-3", "run.name=slow").returncode == 0
+    r = run_cli("plot", str(a), str(b), "-o", str(tmp_path / "p.png"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = run_cli("plot", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "no metrics.jsonl" in r.stderr

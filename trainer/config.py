@@ -126,6 +126,8 @@ class ScheduleConfig:
 class TrainConfig:
     steps: int = _f(1000, gt=0)
     """Optimizer steps to train for."""
+    stop_at: int | None = _f(None, gt=0)
+    """Stop this invocation after this step, with a checkpoint; the schedule still spans train.steps."""
     micro_batch_size: int = _f(8, gt=0)
     """Sequences per forward/backward on each rank."""
     grad_accum: int = _f(1, gt=0)
@@ -184,6 +186,8 @@ class DistributedConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    enabled: bool = True
+    """Write checkpoints (false: none at all, e.g. for benchmarks)."""
     every: int = _f(0, ge=0)
     """Save a checkpoint every N steps (0: only at the end)."""
     keep: int = _f(3, gt=0)

@@ -211,19 +211,23 @@ class Trainer:
                 metrics.log(record)
                 summary.update(record)
 
-            stop = dist_env.any_rank(self._stop_requested, env)
-            save_now = stop or step == cfg.train.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+            stop = dist_env.any_rank(self._stop_requested, env) or step == cfg.train.stop_at
+            periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+            save_now = cfg.checkpoint.enabled and (stop or step == cfg.train.steps or periodic)
             if save_now:
                 last_saved = self._save(raw_model, opt, sched, scaler, env, run_dir, step, tokens_seen, batches)
-                if stop:
-                    metrics.print(f"[yellow]stopped by signal at step {step}; checkpoint saved: {last_saved}[/yellow]")
-                    break
+            if stop:
+                saved = f"checkpoint saved: {last_saved}" if save_now else "checkpoint.enabled=false: nothing saved"
+                why = "by signal" if self._stop_requested else "at train.stop_at"
+                metrics.print(f"[yellow]stopped {why} at step {step}; {saved}[/yellow]")
+                break
 
         metrics.close()
         summary.update(
             steps=step,
             first_step_s=speed.first_step_s,
             mean_tokens_per_s=speed.mean_tps,
+            median_step_s=speed.median_step_s,
             run_dir=str(run_dir),
             checkpoint=str(last_saved) if last_saved else None,
             stopped=self._stop_requested,
@@ -362,6 +366,7 @@ class _Speed:
         self.last_tps = None
         self._tokens = self._time = self._steps = 0
         self._all_tokens = self._all_time = 0.0
+        self._times: list[float] = []
 
     def add(self, tokens: int, seconds: float, first: bool) -> None:
         if first:
@@ -369,6 +374,7 @@ class _Speed:
         else:
             self._all_tokens += tokens
             self._all_time += seconds
+            self._times.append(seconds)
         self._tokens += tokens
         self._time += seconds
         self._steps += 1
@@ -379,6 +385,11 @@ class _Speed:
         out = self._tokens / max(self._time, 1e-9), self._time / max(self._steps, 1)
         self._tokens = self._time = self._steps = 0
         return out
+
+    @property
+    def median_step_s(self) -> float | None:
+        """Median step time over the run, the first step excluded."""
+        return sorted(self._times)[len(self._times) // 2] if self._times else None
 
     @property
     def mean_tps(self) -> float | None:

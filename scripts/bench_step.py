@@ -1,0 +1,244 @@
+"""Training-step benchmark on one GPU: eager, plain torch.compile, and ours, same model, batch and dtype.
+
+    python scripts/bench_step.py                      # gpt2-small, B=16, T=1024, bf16
+    python scripts/bench_step.py --preset gpt2-medium --batch 8
+    python scripts/bench_step.py --variants eager,torch.compile,ours-model
+
+Each variant runs in its own process (so compile caches, Dynamo state and the CUDA allocator
+start clean) and reports tokens/s (median over timed steps), MFU against the 989 TFLOP/s
+spec and against the bf16 matmul peak measured in this run, peak memory and first-step time
+(compile included). Cold vs warm compile cache: "ours" variants run once with an empty
+cache directory and once more with the one the first run filled.
+
+Baselines are written as a user writes them: ``torch.compile(model)`` (or not), fused AdamW,
+``clip_grad_norm_``, bf16 autocast, batches from the same data loader. "Ours" is ``trainer fit``
+(the Trainer) with the named compile settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SPEC_PEAK = 989e12  # H100/H200 SXM dense bf16
+
+VARIANTS = {
+    "eager": {"kind": "user", "compile": False},
+    "torch.compile": {"kind": "user", "compile": True},
+    "ours-model": {"kind": "ours", "overrides": ["compile.enabled=true", "compile.scope=model"]},
+    "ours-model-ca": {
+        "kind": "ours",
+        "overrides": ["compile.enabled=true", "compile.scope=model", "compile.autograd=true"],
+    },
+    "ours-blocks": {"kind": "ours", "overrides": ["compile.enabled=true", "compile.scope=blocks"]},
+    "ours-blocks-ca": {
+        "kind": "ours",
+        "overrides": ["compile.enabled=true", "compile.scope=blocks", "compile.autograd=true"],
+    },
+    "ours-eager": {"kind": "ours", "overrides": ["compile.enabled=false"]},
+}
+
+
+def _common_overrides(a) -> list[str]:
+    return [
+        f"model.preset={a.preset}",
+        f"train.micro_batch_size={a.batch}",
+        f"data.seq_len={a.seq}",
+        "data.vocab_size=50304",
+        "train.precision=bf16",
+        f"train.steps={a.warmup + a.steps}",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "checkpoint.enabled=false",
+        "log.progress=false",
+        f"log.every={a.warmup + a.steps}",
+        *a.extra,
+    ]
+
+
+def run_user(a, compile_model: bool) -> dict:
+    """The loop a user writes around torch.compile(model) with fused AdamW."""
+    import torch
+
+    from trainer.data import Batches, load_corpus
+    from trainer.loop import param_groups
+    from trainer.models import build_model, flops_per_token
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    corpus = load_corpus(None, 50304, 0.05, a.seq)
+    batches = Batches(corpus, seq_len=a.seq, micro_batch_size=a.batch, grad_accum=1, rank=0, world_size=1, seed=0,
+                      device=dev)  # fmt: skip
+    model = build_model(preset=a.preset, vocab_size=50304, seq_len=a.seq).to(dev)
+    fpt = flops_per_token(model, a.seq)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=True)
+    step_model = torch.compile(model) if compile_model else model
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(a.warmup + a.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x, y = batches.train_batch(step, 0)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    timed = sorted(times[a.warmup :])
+    median = timed[len(timed) // 2]
+    return {
+        "tokens_per_s": a.batch * a.seq / median,
+        "step_ms": median * 1e3,
+        "first_step_s": times[0],
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "flops_per_token": fpt,
+        "final_loss": loss.item(),
+    }
+
+
+def run_ours(a, overrides: list[str], cache_dir: str) -> dict:
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+    from trainer.models import build_model, flops_per_token
+
+    run_dir = tempfile.mkdtemp(prefix="bench_step_")
+    cfg = load_config(
+        ROOT / "configs/gpt2-small.yaml",
+        [*_common_overrides(a), *overrides, f"run.dir={run_dir}", f"compile.cache_dir={cache_dir}"],
+    )
+    s = Trainer(cfg).fit()
+    fpt = flops_per_token(build_model(preset=a.preset, vocab_size=50304, seq_len=a.seq), a.seq)
+    median = s["median_step_s"]
+    return {
+        "tokens_per_s": a.batch * a.seq / median,
+        "step_ms": median * 1e3,
+        "first_step_s": s["first_step_s"],
+        "peak_mem_gb": s["peak_mem_gb"],
+        "flops_per_token": fpt,
+        "final_loss": s["loss"],
+    }
+
+
+def matmul_peak() -> float:
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def _worker(a) -> None:
+    spec = VARIANTS[a.worker]
+    if spec["kind"] == "user":
+        out = run_user(a, spec["compile"])
+    else:
+        out = run_ours(a, spec["overrides"], a.cache_dir)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _spawn(a, variant: str, cache_dir: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", variant, "--cache-dir", cache_dir, "--preset", a.preset,
+           "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
+           *[f"--extra={e}" for e in a.extra]]  # fmt: skip
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        print(f"[{variant}] failed (exit {r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
+        return {"error": r.stderr[-1500:]}
+    out = json.loads(lines[-1][len("RESULT ") :])
+    out["process_wall_s"] = wall
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="gpt2-small")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile happens in step 1)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--warm-cache", default="ours-model", help="variants to rerun with a warm compile cache")
+    p.add_argument("--extra", action="append", default=[], help="extra trainer overrides for 'ours' variants")
+    p.add_argument("--out", default=str(ROOT / "scripts/results/bench_step.json"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return _worker(a)
+
+    import torch
+    import triton
+
+    peak = matmul_peak()
+    results = {}
+    caches = {}
+    for v in a.variants.split(","):
+        caches[v] = tempfile.mkdtemp(prefix=f"cache_{v}_")
+        results[v] = _spawn(a, v, caches[v])
+        print(f"{v}: {results[v]}", flush=True)
+    for v in filter(None, a.warm_cache.split(",")):
+        if v in caches:
+            results[v + " (warm cache)"] = _spawn(a, v, caches[v])
+            print(f"{v} warm: {results[v + ' (warm cache)']}", flush=True)
+    for r in results.values():
+        if "tokens_per_s" in r:
+            flops = r["flops_per_token"] * r["tokens_per_s"]
+            r["mfu_spec"] = flops / SPEC_PEAK
+            r["mfu_measured_peak"] = flops / peak
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    doc = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_sha": sha.strip(),
+        "preset": a.preset,
+        "batch": a.batch,
+        "seq_len": a.seq,
+        "matmul_peak_tflops": peak / 1e12,
+        "results": results,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    base = results.get("torch.compile", {}).get("tokens_per_s")
+    print(f"\n{doc['gpu']}, torch {doc['torch']}, {a.preset} B={a.batch} T={a.seq} bf16; "
+          f"bf16 matmul peak measured {peak / 1e12:.0f} TFLOP/s; git {doc['git_sha']}")  # fmt: skip
+    print(
+        "| variant | tokens/s | vs torch.compile | MFU (989 spec) | MFU (measured peak) | peak mem GB | first step s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for v, r in results.items():
+        if "tokens_per_s" not in r:
+            print(f"| {v} | failed | | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        print(f"| {v} | {r['tokens_per_s'] / 1e3:.0f}K | {ratio} | {r['mfu_spec'] * 100:.1f}% | "
+              f"{r['mfu_measured_peak'] * 100:.1f}% | {r['peak_mem_gb']:.1f} | {r['first_step_s']:.1f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
