@@ -31,19 +31,14 @@ sys.path.insert(0, str(ROOT))
 
 SPEC_PEAK = 989e12  # H100/H200 SXM dense bf16
 
+_ON = ["compile.enabled=true"]
 VARIANTS = {
     "eager": {"kind": "user", "compile": False},
     "torch.compile": {"kind": "user", "compile": True},
-    "ours-model": {"kind": "ours", "overrides": ["compile.enabled=true", "compile.scope=model"]},
-    "ours-model-ca": {
-        "kind": "ours",
-        "overrides": ["compile.enabled=true", "compile.scope=model", "compile.autograd=true"],
-    },
-    "ours-blocks": {"kind": "ours", "overrides": ["compile.enabled=true", "compile.scope=blocks"]},
-    "ours-blocks-ca": {
-        "kind": "ours",
-        "overrides": ["compile.enabled=true", "compile.scope=blocks", "compile.autograd=true"],
-    },
+    "ours-model": {"kind": "ours", "overrides": [*_ON, "compile.scope=model"]},
+    "ours-model-ca": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "compile.autograd=true"]},
+    "ours-blocks": {"kind": "ours", "overrides": [*_ON, "compile.scope=blocks"]},
+    "ours-blocks-ca": {"kind": "ours", "overrides": [*_ON, "compile.scope=blocks", "compile.autograd=true"]},
     "ours-eager": {"kind": "ours", "overrides": ["compile.enabled=false"]},
 }
 
