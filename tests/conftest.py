@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, our Triton kernels run on CPU tensors through Triton's interpreter. It must be
+# chosen before triton is first imported (which the first compiled test may do), so set it here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A model and batch small enough that a step takes milliseconds on 2 CPU cores.
