@@ -183,3 +183,60 @@ def test_compiled_run_resumes_from_eager_checkpoint_and_back(tmp_path):
         return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
 
     assert losses(run) == losses(straight)  # aot_eager is bitwise-equal to eager on CPU (see above)
+
+
+PLANTED = """
+import torch, torch.nn as nn
+
+
+class M(nn.Module):
+    def __init__(self, vocab=256):
+        super().__init__()
+        self.emb, self.a, self.out = nn.Embedding(vocab, 16), nn.Linear(16, 16), nn.Linear(16, vocab)
+
+    def forward(self, idx, targets):
+        h = torch.relu(self.a(self.emb(idx)))
+        print("planted graph break")
+        return nn.functional.cross_entropy(self.out(h).flatten(0, 1), targets.flatten())
+
+
+def make():
+    return M()
+"""
+
+
+def test_explain_names_the_planted_break_and_writes_the_report(tmp_path):
+    from tests.conftest import run_cli
+
+    (tmp_path / "planted_model.py").write_text(PLANTED)
+    line = PLANTED.splitlines().index('        print("planted graph break")') + 1
+    r = run_cli("explain", "configs/tiny.yaml", "model.preset=null", "model.target=planted_model:make",
+                "compile.backend=aot_eager", "data.seq_len=16", "train.micro_batch_size=2", "--steps", "2",
+                env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"{tmp_path / 'planted_model.py'}:{line}" in r.stdout, r.stdout
+    assert "Graph breaks: 1" in r.stdout and "print" in r.stdout
+    # `fit` writes the same report into the run directory
+    run = tmp_path / "run"
+    r = run_cli("fit", "configs/tiny.yaml", *FAST, "model.preset=null", "model.target=planted_model:make",
+                "compile.enabled=true", "compile.backend=aot_eager", "train.steps=3", f"run.dir={run}",
+                env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads((run / "compile_report.json").read_text())
+    assert report["graph_breaks"][0]["line"] == line
+    assert report["recompiles_after_warmup"] == 0
+
+
+def test_compile_failure_stops_or_falls_back(tmp_path):
+    from tests.conftest import run_cli
+
+    base = ["fit", "configs/tiny.yaml", *FAST, "train.steps=3", "compile.enabled=true", "compile.backend=aot_eager",
+            "compile.fullgraph=true", "model.preset=null", "model.target=planted_model:make"]  # fmt: skip
+    (tmp_path / "planted_model.py").write_text(PLANTED)
+    env = {"PYTHONPATH": str(tmp_path)}
+    r = run_cli(*base, f"run.dir={tmp_path / 'a'}", env=env)  # fullgraph + a graph break: a compile failure
+    assert r.returncode == 1 and "compile.fallback=eager" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_cli(*base, f"run.dir={tmp_path / 'b'}", "compile.fallback=eager", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "compile failed at step 1" in r.stderr and "running this run eagerly" in r.stderr
+    assert "done: 3 steps" in r.stdout

@@ -110,12 +110,9 @@ def _run(args) -> int:
     overrides, resume = _split_resume(args.overrides)
     if args.command == "explain" and resume:
         raise ValueError("resume: not supported by explain")
-    cfg = load_config(args.config, overrides)
     if args.command == "explain":
-        from trainer.compile.report import explain
-
-        explain(cfg, steps=args.steps, dump_code=args.dump_code)
-        return 0
+        return _explain(args.config, overrides, args.steps, args.dump_code)
+    cfg = load_config(args.config, overrides)
     from trainer.loop import Trainer, TrainingError
 
     try:
@@ -125,6 +122,36 @@ def _run(args) -> int:
         return EXIT_TRAINING_FAILED
     if os.environ.get("RANK", "0") == "0":
         _print_summary(summary)
+    return 0
+
+
+def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None) -> int:
+    """Run a few compiled steps in a scratch run directory and print the compile report."""
+    import contextlib
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from trainer.compile.report import dump_code, format_text
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    if steps <= 0:
+        raise ValueError(f"--steps: expected a positive number, got {steps}")
+    scratch = tempfile.mkdtemp(prefix="trainer-explain-")
+    forced = ["compile.enabled=true", f"train.steps={steps}", "train.eval_every=0", "checkpoint.enabled=false",
+              "log.progress=false", f"run.dir={scratch}"]  # fmt: skip
+    cfg = load_config(config, [*overrides, *forced])
+    cfg.compile.cache_dir = cfg.compile.cache_dir or str(Path(scratch) / "compile_cache")
+    dumping = dump_code(dump_dir) if dump_dir else contextlib.nullcontext([])
+    with dumping as files:
+        Trainer(cfg).fit()
+    report = json.loads((Path(scratch) / "compile_report.json").read_text())
+    print(format_text(report))
+    if dump_dir:
+        print(f"generated code: {len(files)} file(s) in {dump_dir}")
+        for f in files:
+            print(f"  {f}")
     return 0
 
 

@@ -132,6 +132,8 @@ class Trainer:
                 loss_sum += loss.detach()
             return loss_sum
 
+        watcher = _maybe_watch(compiling, cfg, metrics)
+        evaluated = False
         clips_itself = getattr(opt, "clips_grad_norm", False)
         speed = _Speed()
         last_saved, summary = None, {}
@@ -139,89 +141,100 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model.train()
-        while step < cfg.train.steps:
-            t_step = time.perf_counter()
-            try:
-                loss_sum = forward_backward(step)
-            except Exception as e:
-                if not _is_compile_failure(e):
-                    raise
-                if cfg.compile.fallback == "error":
-                    raise TrainingError(compile_failure_message(e)) from e
-                metrics.print(
-                    f"[bold red]compile failed at step {step + 1}; compile.fallback=eager: running this run "
-                    f"eagerly (forward, backward and compiled autograd).[/bold red] Reason: {_first_line(e)}"
-                )
-                model = self._wrap(_uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
-                backward_ctx = contextlib.nullcontext
-                opt.zero_grad(set_to_none=True)
-                loss_sum = forward_backward(step)
-            if scaler is not None:
-                scaler.unscale_(opt)
-            grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
-            loss_val = loss_sum / accum
-            if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):
-                opt.zero_grad(set_to_none=True)
-                metrics.print(f"[yellow]step {step + 1}: non-finite loss or gradient norm; update skipped[/yellow]")
-                step += 1
+        try:
+            while step < cfg.train.steps:
+                t_step = time.perf_counter()
+                try:
+                    loss_sum = forward_backward(step)
+                except Exception as e:
+                    if not _is_compile_failure(e):
+                        raise
+                    if cfg.compile.fallback == "error":
+                        raise TrainingError(
+                            compile_error_hint(e) + "\nSet compile.fallback=eager to run eagerly instead."
+                        ) from e
+                    metrics.print(
+                        f"[bold red]compile failed at step {step + 1}; compile.fallback=eager: running this run "
+                        f"eagerly (forward, backward and compiled autograd).[/bold red]\n{compile_error_hint(e)}"
+                    )
+                    model = self._wrap(_uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
+                    backward_ctx = contextlib.nullcontext
+                    opt.zero_grad(set_to_none=True)
+                    loss_sum = forward_backward(step)
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
+                loss_val = loss_sum / accum
+                if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):
+                    opt.zero_grad(set_to_none=True)
+                    metrics.print(f"[yellow]step {step + 1}: non-finite loss or gradient norm; update skipped[/yellow]")
+                    step += 1
+                    sched.step()
+                    continue
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 sched.step()
-                continue
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            tokens_seen += tokens_per_step
-            loss_f = dist_env.all_reduce_mean(loss_val, env).item()  # also the step's host sync
-            speed.add(tokens_per_step, time.perf_counter() - t_step, first=(step == start_step + 1))
-            if not math.isfinite(loss_f):
-                metrics.close()
-                where = f"; the last good checkpoint is {last_saved}" if last_saved else ""
-                raise TrainingError(
-                    f"loss is {loss_f} at step {step}: stopping without saving{where}. Lower optim.lr, raise "
-                    "schedule.warmup_steps, check the data, or set train.on_nan=skip."
-                )
-            metrics.advance(step, loss_f, speed.last_tps)
+                opt.zero_grad(set_to_none=True)
+                step += 1
+                tokens_seen += tokens_per_step
+                loss_f = dist_env.all_reduce_mean(loss_val, env).item()  # also the step's host sync
+                speed.add(tokens_per_step, time.perf_counter() - t_step, first=(step == start_step + 1))
+                if watcher is not None:
+                    _check_recompiles(watcher, step, first=(step == start_step + 1))
+                if not math.isfinite(loss_f):
+                    metrics.close()
+                    where = f"; the last good checkpoint is {last_saved}" if last_saved else ""
+                    raise TrainingError(
+                        f"loss is {loss_f} at step {step}: stopping without saving{where}. Lower optim.lr, raise "
+                        "schedule.warmup_steps, check the data, or set train.on_nan=skip."
+                    )
+                metrics.advance(step, loss_f, speed.last_tps)
 
-            record = None
-            if step % cfg.log.every == 0 or step == cfg.train.steps:
-                tps, step_time = speed.read()
-                record = {
-                    "step": step,
-                    "loss": loss_f,
-                    "lr": opt.param_groups[0]["lr"],
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tokens_per_s": tps,
-                    "step_time": step_time,
-                    "tokens": tokens_seen,
-                }
-                if peak is not None:
-                    record["mfu"] = fpt * tps / env.world_size / peak
-                if device.type == "cuda":
-                    record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-            evaluate_now = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
-            if evaluate_now:
-                val = self._evaluate(model, batches, autocast, env)
-                record = record or {"step": step}
-                record["val_loss"] = val
-            if record is not None:
-                metrics.log(record)
-                summary.update(record)
+                record = None
+                if step % cfg.log.every == 0 or step == cfg.train.steps:
+                    tps, step_time = speed.read()
+                    record = {
+                        "step": step,
+                        "loss": loss_f,
+                        "lr": opt.param_groups[0]["lr"],
+                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                        "tokens_per_s": tps,
+                        "step_time": step_time,
+                        "tokens": tokens_seen,
+                    }
+                    if peak is not None:
+                        record["mfu"] = fpt * tps / env.world_size / peak
+                    if device.type == "cuda":
+                        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                evaluate_now = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+                if evaluate_now:
+                    # The first evaluation compiles its own (eval, no-grad) graph: expected, not a recompile.
+                    first_eval = watcher.expect_compiles() if watcher and not evaluated else contextlib.nullcontext()
+                    with first_eval:
+                        val = self._evaluate(model, batches, autocast, env)
+                    evaluated = True
+                    record = record or {"step": step}
+                    record["val_loss"] = val
+                if record is not None:
+                    metrics.log(record)
+                    summary.update(record)
 
-            stop = dist_env.any_rank(self._stop_requested, env) or step == cfg.train.stop_at
-            periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
-            save_now = cfg.checkpoint.enabled and (stop or step == cfg.train.steps or periodic)
-            if save_now:
-                last_saved = self._save(raw_model, opt, sched, scaler, env, run_dir, step, tokens_seen, batches)
-            if stop:
-                saved = f"checkpoint saved: {last_saved}" if save_now else "checkpoint.enabled=false: nothing saved"
-                why = "by signal" if self._stop_requested else "at train.stop_at"
-                metrics.print(f"[yellow]stopped {why} at step {step}; {saved}[/yellow]")
-                break
+                stop = dist_env.any_rank(self._stop_requested, env) or step == cfg.train.stop_at
+                periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+                save_now = cfg.checkpoint.enabled and (stop or step == cfg.train.steps or periodic)
+                if save_now:
+                    last_saved = self._save(raw_model, opt, sched, scaler, env, run_dir, step, tokens_seen, batches)
+                if stop:
+                    saved = f"checkpoint saved: {last_saved}" if save_now else "checkpoint.enabled=false: nothing saved"
+                    why = "by signal" if self._stop_requested else "at train.stop_at"
+                    metrics.print(f"[yellow]stopped {why} at step {step}; {saved}[/yellow]")
+                    break
 
+        finally:
+            _finish_watch(watcher, env, run_dir)
         metrics.close()
         summary.update(
             steps=step,
@@ -477,17 +490,43 @@ def _is_compile_failure(e: BaseException) -> bool:
     return exc is not None and isinstance(e, exc.TorchDynamoException)
 
 
-def _first_line(e: BaseException) -> str:
-    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+def compile_error_hint(e: BaseException) -> str:
+    from trainer.compile.report import compile_error_hint
+
+    return compile_error_hint(e)
 
 
-def compile_failure_message(e: BaseException) -> str:
-    from trainer.compile.capture import reproducer_hint
+def _maybe_watch(compiling: bool, cfg: Config, metrics: Metrics):
+    """A compile watcher (graphs, breaks, recompiles, compile time) when anything is compiled, else None."""
+    if not compiling:
+        return None
+    from trainer.compile.report import CompileWatcher
 
-    return (
-        f"compile failed: {type(e).__name__}: {_first_line(e)}\n"
-        f"Set compile.fallback=eager to run eagerly instead, or compile.enabled=false.\n{reproducer_hint()}"
-    )
+    def warn(rec: dict) -> None:
+        metrics.print(f"[yellow]warning: {rec['message']}[/yellow]")
+
+    return CompileWatcher(max_recompiles=cfg.compile.max_recompiles, on_recompile=warn).start()
+
+
+def _check_recompiles(watcher, step: int, first: bool) -> None:
+    """Warn on a recompile after warm-up; past compile.max_recompiles, stop the run."""
+    from trainer.compile.report import RecompileLimitError
+
+    if first:
+        watcher.mark_warm()
+        return
+    try:
+        watcher.check(step)
+    except RecompileLimitError as e:
+        raise TrainingError(str(e)) from None
+
+
+def _finish_watch(watcher, env, run_dir: Path) -> None:
+    if watcher is None:
+        return
+    watcher.stop()
+    if env.is_main:
+        watcher.write(run_dir / "compile_report.json")
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:

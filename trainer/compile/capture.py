@@ -61,12 +61,3 @@ def apply_compile(model: nn.Module, cfg) -> nn.Module:
             block.compile(**kwargs)
         return model
     return torch.compile(model, **kwargs)
-
-
-def reproducer_hint() -> str:
-    """How to get a minified reproducer of a compile failure (for error messages)."""
-    return (
-        "To get a minified reproducer: rerun with TORCHDYNAMO_REPRO_AFTER=aot (Inductor failures) or "
-        "TORCHDYNAMO_REPRO_AFTER=dynamo (tracing failures), which writes repro.py / minifier_launcher.py under "
-        "torch_compile_debug/; TORCH_LOGS=+dynamo,graph_breaks shows what Dynamo did."
-    )
