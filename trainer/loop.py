@@ -460,7 +460,7 @@ def _build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> tor
 def _clip(model: nn.Module, opt, max_norm: float, clips_itself: bool):
     """Clip by global norm unless the optimizer does it inside its kernel; returns the pre-clip norm."""
     if clips_itself:
-        return getattr(opt, "last_grad_norm", None)
+        return opt.grad_norm()  # on device, no sync; the optimizer's step() clips with this same tensor
     params = [p for p in model.parameters() if p.grad is not None]
     if max_norm > 0:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)

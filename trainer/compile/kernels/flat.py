@@ -1,0 +1,457 @@
+"""Flat buffers: parameters, gradients and optimizer states of one dtype and device in contiguous storage.
+
+A :class:`FlatGroup` copies its parameters into one 1-D buffer and re-points each ``p.data`` at a
+view of it; gradients get a second buffer and ``p.grad`` becomes a view of that. Autograd then
+accumulates straight into the flat gradient buffer (``AccumulateGrad`` adds in place into an
+existing ``.grad``), so an optimizer kernel can update every parameter of the group in one launch
+over three or four flat buffers, with no per-step gather or scatter. The distributed layer's
+gradient buckets are FlatGroups too: a bucket is one flat gradient buffer to reduce.
+
+:class:`FlatOptimizer` is the ``torch.optim.Optimizer`` base of our Triton optimizers
+(``TritonAdamW``, ``TritonSGD``): it owns the flat groups, keeps ``state`` in torch's per-parameter
+layout (views into the flat state buffers), and gives ``state_dict()`` / ``load_state_dict()`` that
+interchange with ``torch.optim.AdamW`` / ``torch.optim.SGD`` checkpoints.
+
+Semantics that differ from torch's optimizers, by design:
+
+- A gradient of ``None`` counts as zero. ``zero_grad()`` zeroes the flat gradient buffers in place
+  (``set_to_none`` is ignored: setting ``.grad`` to ``None`` would detach it from the buffer), and
+  every parameter of a group steps together, so a parameter that received no gradient still gets
+  weight decay and moment decay, as with ``zero_grad(set_to_none=False)`` in torch. Parameters with
+  ``requires_grad=False`` at the first step are left out and never touched.
+- Parameters are made contiguous (their shapes are kept).
+- If something replaces a parameter's storage (``model.to(...)`` after the first step) the flat
+  groups are rebuilt on the next step, states included; if something replaces ``p.grad`` (e.g.
+  ``model.zero_grad()`` with ``set_to_none=True``), the new gradient is copied into the buffer.
+
+Cost on the backward side: with ``.grad`` kept, autograd adds each new gradient into it
+(``grad += new``: read, read, write) and ``zero_grad`` writes zeros, about 16 bytes per fp32
+parameter per step more than torch's default ``set_to_none`` path, which adopts the new gradient
+tensor as ``.grad``. Data-parallel bucketing pays this anyway (DDP's ``gradient_as_bucket_view``
+does the same); on one GPU without accumulation it is the price of reading gradients from one
+flat buffer. The step benchmark (scripts/bench_optimizer.py) times the optimizer step alone.
+
+Every parameter starts at a multiple of ``ALIGN_BYTES`` and ``numel`` is a multiple of 16
+elements, so Triton specialises the kernels for 16-byte-aligned pointers and a length divisible
+by 16, and the streaming loads and stores compile to 16-byte vector accesses.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from copy import deepcopy
+from itertools import chain
+from typing import Any
+
+import torch
+
+# Each parameter starts on a 64-byte (and 16-element) boundary of its flat buffer, so the views keep
+# the 16-byte alignment that cuBLAS, vectorised kernels and Inductor's alignment assumptions want.
+ALIGN_BYTES = 64
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def triton_can_run(device: torch.device, kernel: Any) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) can run on tensors of ``device``.
+
+    CUDA always can. CPU tensors only run under the Triton interpreter, which is chosen when the
+    kernel is decorated: ``TRITON_INTERPRET=1`` must be set before the kernel module is imported.
+    """
+    interpreted = type(kernel).__name__ == "InterpretedFunction"
+    return device.type == "cuda" or (device.type == "cpu" and interpreted)
+
+
+def group_by_dtype_and_device(params: Iterable[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list]:
+    """Split ``params`` by (dtype, device), keeping their order; one FlatGroup is built per key."""
+    groups: dict[tuple[torch.dtype, torch.device], list] = defaultdict(list)
+    for p in params:
+        groups[(p.dtype, p.device)].append(p)
+    return dict(groups)
+
+
+class FlatGroup:
+    """Parameters of one dtype and device living in one flat buffer, gradients in another.
+
+    Args:
+        params: Leaf tensors (usually ``nn.Parameter``) of a single dtype and device. Their data is
+            copied into the flat buffer and ``p.data`` re-pointed at a view of it; their current
+            ``.grad`` (if any) is copied into the flat gradient buffer and ``p.grad`` re-pointed.
+
+    Attributes:
+        params: The parameters, in order.
+        param: The flat parameter buffer, shape ``(numel,)``.
+        grad: The flat gradient buffer, shape ``(numel,)``, same dtype as the parameters.
+        grads: ``p.grad`` views into ``grad``, one per parameter.
+        offsets: Start of each parameter in the flat buffers.
+        numel: Length of the flat buffers (parameters plus alignment padding; padding stays zero).
+        dtype: Dtype of parameters and gradients.
+        device: Device of every buffer.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        params = list(params)
+        if not params:
+            raise ValueError("FlatGroup needs at least one parameter")
+        dtype, device = params[0].dtype, params[0].device
+        for p in params:
+            if p.dtype != dtype or p.device != device:
+                raise ValueError(
+                    f"FlatGroup parameters must share one dtype and device; got {p.dtype} on {p.device} "
+                    f"next to {dtype} on {device} (split them with group_by_dtype_and_device)"
+                )
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("FlatGroup got the same parameter twice")
+        align = max(16, ALIGN_BYTES // params[0].element_size())  # elements
+        self.offsets: list[int] = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel = _round_up(numel + p.numel(), align)
+        self.params = params
+        self.numel = numel
+        self.dtype = dtype
+        self.device = device
+        self.param = torch.zeros(numel, dtype=dtype, device=device)
+        self.grad = torch.zeros(numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, view in zip(params, self.views(self.param)):
+                view.copy_(p)
+                p.data = view
+            self.grads = self.views(self.grad)
+            for p, view in zip(params, self.grads):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+        self._data_ptrs = [p.data_ptr() for p in params]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat buffer laid out like this group, shaped like each parameter."""
+        assert flat.shape == (self.numel,), (flat.shape, self.numel)
+        return [flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+
+    def zeros(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new zero flat buffer with this group's layout (for optimizer states)."""
+        return torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)
+
+    def owns_params(self) -> bool:
+        """Whether every parameter still lives in ``self.param`` (``model.to()`` would move them out)."""
+        return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self._data_ptrs))
+
+    def sync_grads(self) -> None:
+        """Make every ``p.grad`` the view into ``self.grad`` again, copying a replaced gradient in.
+
+        Autograd accumulates in place into an existing ``.grad``, so this is a no-op on the normal
+        path; it matters after ``model.zero_grad()`` (which sets ``.grad`` to ``None``) or after
+        code assigns ``p.grad``. ``None`` becomes zeros.
+        """
+        for p, view in zip(self.params, self.grads):
+            g = p.grad
+            if g is view:
+                continue
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)
+            p.grad = view
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient buffer in place (one memset) and re-point any replaced ``.grad``."""
+        self.grad.zero_()
+        for p, view in zip(self.params, self.grads):
+            if p.grad is not view:
+                p.grad = view
+
+    def __repr__(self) -> str:
+        return f"FlatGroup({len(self.params)} tensors, numel={self.numel}, dtype={self.dtype}, device={self.device})"
+
+
+class FlatOptimizer(torch.optim.Optimizer):
+    """Base of the flat-buffer Triton optimizers: flat groups, per-parameter state, checkpoints.
+
+    Subclasses set ``state_keys`` (the per-parameter state tensors, fp32 flat buffers), implement
+    ``_hparams(group)`` (the group's scalars, written to a float64 device tensor each step when they
+    change, so a scheduler never causes a recompile or a host sync) and ``_update(...)`` (one kernel
+    launch per flat group), and may override ``_has_state``.
+
+    Args:
+        params: Parameters or param-group dicts, as for any ``torch.optim`` optimizer.
+        defaults: Default hyperparameters.
+        max_grad_norm: Clip gradients to this global L2 norm inside the step (0 disables). The norm
+            is computed on device and read by the update kernel from device memory: no host sync.
+    """
+
+    state_keys: tuple[str, ...] = ()
+    state_has_step = True  # torch's AdamW keeps a per-parameter 'step'; its SGD does not
+
+    def __init__(self, params: Any, defaults: dict[str, Any], max_grad_norm: float = 0.0):
+        if max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
+        super().__init__(params, defaults)
+        self.max_grad_norm = float(max_grad_norm)
+        self.clips_grad_norm = self.max_grad_norm > 0
+        self.last_grad_norm: torch.Tensor | None = None
+        self._pending_norm: torch.Tensor | None = None  # from grad_norm(), used by the next step
+        self._flats: list[tuple[int, FlatGroup]] | None = None  # (param-group index, group)
+        self._bufs: list[dict[str, torch.Tensor]] = []  # per flat group: state key -> flat fp32 buffer
+        self._steps: list[torch.Tensor] = []  # per flat group: fp32 step counter on device
+        self._host_steps: list[int] = []  # the same count on the host, so state_dict needs no sync
+        self._hparams_dev: list[torch.Tensor] = []  # per param group: float64 hyperparameters on device
+        self._hparams_host: list[tuple[float, ...] | None] = []
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(
+                f"{type(self).__name__} needs all parameters on one device, got {sorted(map(str, devices))}"
+            )
+        (device,) = devices
+        # Fail now where the kernels can never run; CPU parameters on a CUDA machine may still be
+        # moved to the GPU (accelerate's prepare() does) before the first step.
+        if not triton_can_run(device, self._kernel()) and not (device.type == "cpu" and torch.cuda.is_available()):
+            raise ValueError(self._device_error(device))
+
+    # -- subclass hooks ------------------------------------------------------------------------
+    def _kernel(self) -> Any:
+        """The main ``@triton.jit`` kernel (used to tell whether Triton can run on a device)."""
+        raise NotImplementedError
+
+    def _hparams(self, group: dict[str, Any]) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        flat: FlatGroup,
+        bufs: dict[str, torch.Tensor],
+        step: torch.Tensor,
+        hparams: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+    ) -> None:
+        raise NotImplementedError
+
+    def _has_state(self, group: dict[str, Any], host_step: int) -> bool:
+        """Whether torch's optimizer would hold state for this group's parameters by now."""
+        return host_step > 0
+
+    def _loaded_step(self, state: dict[str, Any]) -> float:
+        """The step count a loaded per-parameter state implies."""
+        return float(state.get("step", 0))
+
+    # -- building ------------------------------------------------------------------------------
+    def _device_error(self, device: torch.device) -> str:
+        return (
+            f"{type(self).__name__} runs Triton kernels, which need a CUDA device; its parameters are on "
+            f"{device}. Use the torch optimizer there (build_optimizer(impl='foreach')), or for tests set "
+            "TRITON_INTERPRET=1 before trainer.compile.kernels is imported."
+        )
+
+    def _build(self) -> None:
+        """Lay parameters, gradients and states out in flat buffers; import any existing state."""
+        saved = self._export_state()
+        self._flats, self._bufs, self._steps, self._host_steps = [], [], [], []
+        for gi, group in enumerate(self.param_groups):
+            trainable = [p for p in group["params"] if p.requires_grad]
+            for (dtype, device), ps in group_by_dtype_and_device(trainable).items():
+                if not triton_can_run(device, self._kernel()):
+                    raise ValueError(self._device_error(device))
+                if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    # The kernels compute in fp32: float64 parameters would lose precision.
+                    raise ValueError(f"{type(self).__name__} supports fp32, bf16 and fp16 parameters, got {dtype}")
+                flat = FlatGroup(ps)
+                bufs = {k: flat.zeros(torch.float32) for k in self.state_keys}
+                # torch keeps a step per parameter; a flat group steps as one. They agree unless
+                # some parameter never had a gradient, and then the group takes the largest.
+                host_step = int(max((self._loaded_step(saved[p]) for p in ps if saved.get(p)), default=0))
+                for p, *views in zip(ps, *(flat.views(b) for b in bufs.values())):
+                    for key, view in zip(self.state_keys, views):
+                        if saved.get(p, {}).get(key) is not None:
+                            view.copy_(saved[p][key])
+                self._flats.append((gi, flat))
+                self._bufs.append(bufs)
+                self._steps.append(torch.full((), float(host_step), dtype=torch.float32, device=flat.device))
+                self._host_steps.append(host_step)
+        devices = {flat.device for _, flat in self._flats}
+        if len(devices) > 1:
+            raise ValueError(
+                f"{type(self).__name__} needs all parameters on one device, got {sorted(map(str, devices))}"
+            )
+        device = devices.pop() if devices else torch.device("cpu")
+        self._hparams_dev = [
+            torch.zeros(len(self._hparams(g)), dtype=torch.float64, device=device) for g in self.param_groups
+        ]
+        self._hparams_host = [None] * len(self.param_groups)
+        self._refresh_state()
+
+    def _refresh_state(self) -> None:
+        """Point ``self.state[p]`` at the live views (torch's layout: only once a step has happened)."""
+        self.state = defaultdict(dict)
+        for (gi, flat), bufs, step, host_step in zip(self._flats, self._bufs, self._steps, self._host_steps):
+            if not self._has_state(self.param_groups[gi], host_step):
+                continue
+            per_key = {k: flat.views(b) for k, b in bufs.items()}
+            for i, p in enumerate(flat.params):
+                self.state[p] = {
+                    **({"step": step} if self.state_has_step else {}),
+                    **{k: v[i] for k, v in per_key.items()},
+                }
+
+    def _export_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Standalone copies of the per-parameter state (to survive a rebuild)."""
+        out = {}
+        for p, s in self.state.items():
+            out[p] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+        return out
+
+    def _maybe_build(self) -> None:
+        n_groups = len(self.param_groups)
+        if (
+            self._flats is None
+            or len(self._hparams_dev) != n_groups
+            or not all(flat.owns_params() for _, flat in self._flats)
+        ):
+            self._build()
+
+    # -- the step ------------------------------------------------------------------------------
+    def _sync_hparams(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            values = self._hparams(group)
+            old = self._hparams_host[gi]
+            if values != old:
+                dev = self._hparams_dev[gi]
+                for i, v in enumerate(values):
+                    if old is None or old[i] != v:
+                        dev[i].fill_(v)  # a kernel launch with the value as argument: no host sync
+                self._hparams_host[gi] = values
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update every parameter: optional on-device grad-norm clipping, then one launch per flat group.
+
+        Args:
+            closure: Optional callable that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        first = self._flats is None
+        self._maybe_build()
+        for _, flat in self._flats:
+            flat.sync_grads()
+        self._sync_hparams()
+        grad_norm, self._pending_norm = self._pending_norm, None
+        if self.clips_grad_norm and grad_norm is None:
+            grad_norm = self._global_norm()
+        self.last_grad_norm = grad_norm
+        if not self.clips_grad_norm:
+            grad_norm = None
+        for i, ((gi, flat), bufs, step) in enumerate(zip(self._flats, self._bufs, self._steps)):
+            self._update(self.param_groups[gi], flat, bufs, step, self._hparams_dev[gi], grad_norm)
+            self._host_steps[i] += 1
+        if first or any(h == 1 for h in self._host_steps):
+            self._refresh_state()
+        return loss
+
+    def _global_norm(self) -> torch.Tensor:
+        if not self._flats:
+            return torch.zeros((), dtype=torch.float32)
+        from trainer.compile.kernels.grad_norm import grad_norm
+
+        return grad_norm([flat.grad for _, flat in self._flats])
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the current gradients, a 0-dim fp32 device tensor (no host sync).
+
+        The next ``step()`` clips with this norm instead of reading the gradients again, so call it
+        after the last backward of the step (and after ``GradScaler.unscale_``), e.g. to skip a
+        step whose norm is not finite. Without ``max_grad_norm`` it is only a measurement.
+        """
+        self._maybe_build()
+        for _, flat in self._flats:
+            flat.sync_grads()
+        self._pending_norm = self._global_norm()
+        return self._pending_norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place (see the module docstring for why ``set_to_none`` is ignored)."""
+        self._pending_norm = None
+        if self._flats is None:
+            super().zero_grad(set_to_none=set_to_none)
+            return
+        for _, flat in self._flats:
+            flat.zero_grad()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: ``state[i] = {'step': cpu fp32 tensor, <state_keys>: tensors}``.
+
+        Each parameter gets its own ``step`` tensor on the CPU (as torch's non-capturable
+        optimizers keep it); sharing one tensor would make a torch optimizer that loads this
+        increment it once per parameter. The other state tensors are live views, like torch's.
+        """
+        sd = super().state_dict()
+        host_steps = {}
+        for s in sd["state"].values():
+            step = s.get("step")
+            if isinstance(step, torch.Tensor) and id(step) not in host_steps:
+                host_steps[id(step)] = step.detach().to("cpu", torch.float32)
+        sd["state"] = {
+            k: {**s, **({"step": host_steps[id(s["step"])].clone()} if "step" in s else {})}
+            for k, s in sd["state"].items()
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint of this class or of the matching torch optimizer, before or mid-run.
+
+        Mirrors ``torch.optim.Optimizer.load_state_dict`` (hooks, validation, group update) but copies
+        states into the fp32 flat buffers instead of casting them to the parameter dtype, which for
+        bf16 parameters would round the moments.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+            )
+        id_map = dict(
+            zip(
+                chain.from_iterable(s["params"] for s in saved_groups), chain.from_iterable(g["params"] for g in groups)
+            )
+        )
+        for g, s in zip(groups, saved_groups):
+            s["params"] = g["params"]
+            if "param_names" in g and "param_names" not in s:
+                s["param_names"] = g["param_names"]
+            self._check_group(s)
+        self.param_groups = saved_groups
+        # Snapshot now (torch's state_dict() hands out live tensors); copied into the flat buffers
+        # at the first step, or at once if they exist already.
+        self.state = defaultdict(
+            dict,
+            {
+                id_map[k]: {n: (t.detach().clone() if isinstance(t, torch.Tensor) else t) for n, t in v.items()}
+                for k, v in state_dict["state"].items()
+                if k in id_map
+            },
+        )
+        if self._flats is not None:
+            self._build()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for a loaded group this optimizer cannot honour (e.g. amsgrad)."""
