@@ -36,6 +36,7 @@ VARIANTS = {
     "eager": {"kind": "user", "compile": False},
     "torch.compile": {"kind": "user", "compile": True},
     "ours-model": {"kind": "ours", "overrides": [*_ON, "compile.scope=model"]},
+    "ours-model-fused": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "optim.impl=fused"]},
     "ours-model-ca": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "compile.autograd=true"]},
     "ours-blocks": {"kind": "ours", "overrides": [*_ON, "compile.scope=blocks"]},
     "ours-blocks-ca": {"kind": "ours", "overrides": [*_ON, "compile.scope=blocks", "compile.autograd=true"]},

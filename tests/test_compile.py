@@ -106,13 +106,16 @@ def test_blocks_scope_compiles_one_graph_for_identical_blocks():
     model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=4, n_head=2, n_embd=16)
     path, blocks = find_blocks(model)
     assert path == "transformer.h" and len(blocks) == 4
-    cfg = load_config(None, ["compile.scope=blocks", "compile.backend=aot_eager"]).compile
+    cfg = load_config(None, ["compile.scope=blocks", "compile.backend=aot_eager", "compile.loss=false"]).compile
     out = apply_compile(model, cfg)
     assert out is model
     idx = torch.randint(0, 64, (2, 16))
     out(idx, idx).backward()
     out(idx, idx).backward()
     assert counters["stats"]["unique_graphs"] == 1  # 4 blocks, 2 steps, one graph
+    cfg.loss = True  # the head and loss as one more graph
+    apply_compile(model, cfg)(idx, idx).backward()
+    assert counters["stats"]["unique_graphs"] == 2
     assert set(model.state_dict()) == set(build_model(preset=None, vocab_size=64, seq_len=16, n_layer=4, n_head=2,
                                                       n_embd=16).state_dict())  # fmt: skip
 
@@ -158,7 +161,8 @@ def test_inductor_blocks_training_matches_eager(tmp_path):
     # Inductor's C++ kernels fuse and reorder fp32 reductions (layer norm, softmax): observed max |diff|
     # 9.5e-7 over 15 steps (tiny.yaml, FAST shape); 1e-5 leaves 10x headroom and still catches a wrong kernel
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == 2  # one block graph (shared by both blocks) + its eval variant
+    # one block graph (shared by both blocks) and the head+loss graph, each with its eval (no-grad) variant
+    assert counters["stats"]["unique_graphs"] == 4
 
 
 def test_compiled_run_resumes_from_eager_checkpoint_and_back(tmp_path):

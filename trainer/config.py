@@ -163,7 +163,8 @@ class CompileConfig:
     autograd: bool = False
     """Compiled autograd: the backward, with its hooks, captured as one graph."""
     loss: bool = True
-    """Compile the loss computation together with the model."""
+    """With scope=blocks, also compile the model's head_loss(x, targets) (the built-in GPT's norm, head and
+    cross-entropy) as its own graph."""
     max_recompiles: int = _f(8, ge=0)
     """Recompiles allowed after warm-up before the run stops with an error."""
     fallback: str = _f("error", choices=["error", "eager"])

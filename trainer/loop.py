@@ -127,23 +127,60 @@ class Trainer:
                 with backward_ctx(), self._maybe_no_sync(model, micro < accum - 1):
                     with autocast:
                         loss = loss_of(model(x, y))
-                    scaled = loss / accum
+                    scaled = loss / accum if accum > 1 else loss  # no Python scalar in the graph when not needed
                     (scaler.scale(scaled) if scaler else scaled).backward()
                 loss_sum += loss.detach()
             return loss_sum
 
         watcher = _maybe_watch(compiling, cfg, metrics)
-        evaluated = False
         clips_itself = getattr(opt, "clips_grad_norm", False)
         speed = _Speed()
-        last_saved, summary = None, {}
+        last_saved, summary, evaluated = None, {}, False
+        pending: dict | None = None  # the newest launched step; its loss is read (a host sync) one step later
+
+        def resolve(p: dict, force_record: bool = False) -> dict | None:
+            """Read a launched step's loss: NaN check, throughput, progress bar; its metrics record at log steps."""
+            first = p["step"] == start_step + 1
+            loss_f = p["loss"].item()  # the host waits here while the GPU runs the next step: no bubble
+            speed.tick(tokens_per_step, first=first)
+            if watcher is not None:
+                _check_recompiles(watcher, p["step"], first=first)
+            if not math.isfinite(loss_f):
+                where = f"; the last good checkpoint is {last_saved}" if last_saved else ""
+                raise TrainingError(
+                    f"loss is {loss_f} at step {p['step']}: stopping without saving{where}. Lower optim.lr, raise "
+                    "schedule.warmup_steps, check the data, or set train.on_nan=skip."
+                )
+            metrics.advance(p["step"], loss_f, speed.last_tps)
+            if force_record or p["step"] % cfg.log.every == 0 or p["step"] == cfg.train.steps:
+                tps, step_time = speed.read()
+                record = {
+                    "step": p["step"],
+                    "loss": dist_env.all_reduce_mean(p["loss"], env).item() if env.distributed else loss_f,
+                    "lr": p["lr"],
+                    "grad_norm": float(p["grad_norm"]) if p["grad_norm"] is not None else None,
+                    "tokens_per_s": tps,
+                    "step_time": step_time,
+                    "tokens": p["tokens"],
+                }
+                if peak is not None:
+                    record["mfu"] = fpt * tps / env.world_size / peak
+                if device.type == "cuda":
+                    record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                return record
+            return None
+
+        def _log(record: dict | None) -> None:
+            if record is not None:
+                metrics.log(record)
+                summary.update(record)
+
         step = start_step
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model.train()
         try:
             while step < cfg.train.steps:
-                t_step = time.perf_counter()
                 try:
                     loss_sum = forward_backward(step)
                 except Exception as e:
@@ -164,8 +201,8 @@ class Trainer:
                 if scaler is not None:
                     scaler.unscale_(opt)
                 grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
-                loss_val = loss_sum / accum
-                if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):
+                loss_val = loss_sum / accum if accum > 1 else loss_sum
+                if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):  # syncs every step
                     opt.zero_grad(set_to_none=True)
                     metrics.print(f"[yellow]step {step + 1}: non-finite loss or gradient norm; update skipped[/yellow]")
                     step += 1
@@ -176,63 +213,45 @@ class Trainer:
                     scaler.update()
                 else:
                     opt.step()
+                lr = opt.param_groups[0]["lr"]
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 step += 1
                 tokens_seen += tokens_per_step
-                loss_f = dist_env.all_reduce_mean(loss_val, env).item()  # also the step's host sync
-                speed.add(tokens_per_step, time.perf_counter() - t_step, first=(step == start_step + 1))
-                if watcher is not None:
-                    _check_recompiles(watcher, step, first=(step == start_step + 1))
-                if not math.isfinite(loss_f):
-                    metrics.close()
-                    where = f"; the last good checkpoint is {last_saved}" if last_saved else ""
-                    raise TrainingError(
-                        f"loss is {loss_f} at step {step}: stopping without saving{where}. Lower optim.lr, raise "
-                        "schedule.warmup_steps, check the data, or set train.on_nan=skip."
-                    )
-                metrics.advance(step, loss_f, speed.last_tps)
+                if pending is not None:
+                    _log(resolve(pending))
+                pending = {"step": step, "loss": loss_val, "grad_norm": grad_norm, "lr": lr, "tokens": tokens_seen}
 
-                record = None
-                if step % cfg.log.every == 0 or step == cfg.train.steps:
-                    tps, step_time = speed.read()
-                    record = {
-                        "step": step,
-                        "loss": loss_f,
-                        "lr": opt.param_groups[0]["lr"],
-                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                        "tokens_per_s": tps,
-                        "step_time": step_time,
-                        "tokens": tokens_seen,
-                    }
-                    if peak is not None:
-                        record["mfu"] = fpt * tps / env.world_size / peak
-                    if device.type == "cuda":
-                        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 evaluate_now = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+                periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+                # One process checks its own flag every step; ranks agree on it at log steps (a collective).
+                check_stop = not env.distributed or step % cfg.log.every == 0 or evaluate_now or periodic
+                stop = (check_stop and dist_env.any_rank(self._stop_requested, env)) or step == cfg.train.stop_at
+                save_now = cfg.checkpoint.enabled and (stop or step == cfg.train.steps or periodic)
+                record = None
+                if step == start_step + 1 or evaluate_now or save_now or stop:
+                    # The first step (its time is the compile time), and before anything reads the state.
+                    record = resolve(pending, force_record=evaluate_now)
+                    pending = None
                 if evaluate_now:
                     # The first evaluation compiles its own (eval, no-grad) graph: expected, not a recompile.
                     first_eval = watcher.expect_compiles() if watcher and not evaluated else contextlib.nullcontext()
                     with first_eval:
                         val = self._evaluate(model, batches, autocast, env)
                     evaluated = True
-                    record = record or {"step": step}
                     record["val_loss"] = val
-                if record is not None:
-                    metrics.log(record)
-                    summary.update(record)
-
-                stop = dist_env.any_rank(self._stop_requested, env) or step == cfg.train.stop_at
-                periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
-                save_now = cfg.checkpoint.enabled and (stop or step == cfg.train.steps or periodic)
+                _log(record)
                 if save_now:
                     last_saved = self._save(raw_model, opt, sched, scaler, env, run_dir, step, tokens_seen, batches)
+                if evaluate_now or save_now:
+                    speed.restart()  # evaluation and saving are not training time
                 if stop:
                     saved = f"checkpoint saved: {last_saved}" if save_now else "checkpoint.enabled=false: nothing saved"
                     why = "by signal" if self._stop_requested else "at train.stop_at"
                     metrics.print(f"[yellow]stopped {why} at step {step}; {saved}[/yellow]")
                     break
-
+            if pending is not None:
+                _log(resolve(pending))
         finally:
             _finish_watch(watcher, env, run_dir)
         metrics.close()
@@ -250,7 +269,7 @@ class Trainer:
         return summary
 
     # ------------------------------------------------------------------------------------------
-    def _wrap(self, model: nn.Module, cfg: Config, env, say, compile: bool = True) -> nn.Module:
+    def _wrap(self, model: nn.Module, cfg: Config, env, say, compile: bool = True) -> nn.Module:  # noqa: A002
         """Compilation and data-parallel wrapping: the module the loop calls."""
         strategy = cfg.distributed.strategy
         if env.distributed and strategy == "none":
@@ -263,7 +282,7 @@ class Trainer:
         if compile and cfg.compile.enabled:
             from trainer.compile.capture import apply_compile
 
-            model = apply_compile(model, cfg.compile)
+            model = apply_compile(model, cfg.compile, say=say)
         if env.distributed and strategy == "ddp":
             from trainer.distributed.ddp import apply_ddp
 
@@ -372,16 +391,25 @@ class Trainer:
 
 # ----------------------------------------------------------------------------------------------
 class _Speed:
-    """Step timing: the first (compile) step apart, then tokens/s and step time between log lines."""
+    """Step timing from when each step's loss is read: the first (compile) step apart, then
+    tokens/s and step time between log lines. Steps are read one behind the GPU, so in steady
+    state the interval between two reads is the GPU's step time."""
 
     def __init__(self):
         self.first_step_s = None
         self.last_tps = None
+        self._last = time.perf_counter()
         self._tokens = self._time = self._steps = 0
         self._all_tokens = self._all_time = 0.0
         self._times: list[float] = []
 
-    def add(self, tokens: int, seconds: float, first: bool) -> None:
+    def restart(self) -> None:
+        """Exclude the time since the last read (evaluation, checkpointing)."""
+        self._last = time.perf_counter()
+
+    def tick(self, tokens: int, first: bool) -> None:
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
         if first:
             self.first_step_s = seconds
         else:
@@ -530,10 +558,11 @@ def _finish_watch(watcher, env, run_dir: Path) -> None:
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
-    """Undo ``nn.Module.compile`` on every submodule (per-block compile); the model itself is never wrapped."""
+    """Undo per-block compilation: ``nn.Module.compile`` on submodules and a compiled ``head_loss``."""
     for mod in model.modules():
         if getattr(mod, "_compiled_call_impl", None) is not None:
             mod._compiled_call_impl = None
+    model.__dict__.pop("head_loss", None)  # the instance attribute apply_compile set; the method shows again
     return model
 
 

@@ -48,16 +48,28 @@ def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | Non
     return kwargs
 
 
-def apply_compile(model: nn.Module, cfg) -> nn.Module:
+def apply_compile(model: nn.Module, cfg, say=print) -> nn.Module:
     """Compile ``model`` as ``cfg`` (the ``compile`` config section) says; returns the module to call.
 
     With ``scope: model`` the returned module is the ``torch.compile`` wrapper (the original is
-    its ``_orig_mod``); with ``scope: blocks`` the model itself, its blocks compiled in place.
+    its ``_orig_mod``); with ``scope: blocks`` the model itself, its blocks compiled in place and,
+    with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph.
     """
     kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic)
-    if cfg.scope == "blocks":
-        _, blocks = find_blocks(model, cfg.blocks)
-        for block in blocks:
-            block.compile(**kwargs)
-        return model
-    return torch.compile(model, **kwargs)
+    if cfg.scope == "model":
+        if not cfg.loss:
+            say("compile.loss=false has no effect with compile.scope=model: the loss is inside the model's graph")
+        return torch.compile(model, **kwargs)
+    _, blocks = find_blocks(model, cfg.blocks)
+    for block in blocks:
+        block.compile(**kwargs)
+    if cfg.loss:
+        head_loss = getattr(model, "head_loss", None)
+        if callable(head_loss):
+            model.head_loss = torch.compile(head_loss, **kwargs)  # an instance attribute: no state-dict change
+        else:
+            say(
+                "compile.loss: the model has no head_loss(x, targets) method, so under compile.scope=blocks its "
+                "loss runs eagerly; use compile.scope=model to compile it"
+            )
+    return model

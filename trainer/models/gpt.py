@@ -108,15 +108,24 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
-        x = self.transformer.ln_f(x)
         if targets is None:
-            return self.lm_head(x)  # (B, T, V)
+            return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+        return self.head_loss(x, targets)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, tied head and mean cross-entropy: (B, T, C), (B, T) -> scalar.
+
+        Its own method so that ``compile.scope: blocks`` can compile it as one more graph
+        (``compile.loss``): the (B*T, V) logits are the largest tensors of the step.
+        """
+        x = self.transformer.ln_f(x)
+        B, T, C = x.shape
         if self.cfg.fused_loss:
             from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy
 
-            return linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.view(B * T))
+            return linear_cross_entropy(x.reshape(B * T, C), self.lm_head.weight, targets.reshape(B * T))
         logits = self.lm_head(x)  # (B, T, V)
-        return F.cross_entropy(logits.view(B * T, -1).float(), targets.view(B * T), ignore_index=-100)
+        return F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T), ignore_index=-100)
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
