@@ -321,7 +321,7 @@ def test_build_optimizer_impls_on_cpu():
     assert type(fused) is optim.SGD and fused.defaults["fused"] is True and fused.defaults["momentum"] == 0.9
     comp = build_optimizer(ps, name="adamw", impl="compiled", **common)
     assert isinstance(comp, CompiledOptimizer) and comp.compiled and not comp.clips_grad_norm
-    assert resolve_impl("auto", "cuda") == "triton" and resolve_impl("auto", "cpu") == "foreach"
+    assert resolve_impl("auto", "cuda") == "fused" and resolve_impl("auto", "cpu") == "foreach"
     with pytest.raises(ValueError, match="optim.name"):
         build_optimizer(ps, name="lion")
     with pytest.raises(ValueError, match="optim.impl"):
