@@ -545,8 +545,10 @@ def test_triton_adamw_matches_fused_on_gpu(dtype):
     ours = TritonAdamW(ps, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0)
     theirs = torch.optim.AdamW(qs, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     _run_pair(ours, theirs, ps, qs, steps=10, max_norm=1.0)
-    # fp32: fused AdamW's fp32 math in another order, ~1 ulp per step. bf16: torch's fused kernel
-    # also does fp32 math and rounds once per step, so at most one bf16 ulp (2^-8 relative) apart.
-    tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=8e-3, atol=1e-3)}[dtype]
+    # fp32: fused AdamW's fp32 math in another order, ~1 ulp per step. bf16: both do fp32 math and round
+    # once per step, but torch clips with a bf16 grad norm and we with an fp32 one, and a 1-ulp rounding
+    # difference at one step carries into the next ones: observed on an H100 (torch 2.11) 1 of 3.2M
+    # elements 2.5 bf16 ulps apart after 10 steps (abs 2.4e-3 at 0.12). Allow 4 ulps.
+    tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-5, atol=4e-3)}[dtype]
     for p, q in zip(ps, qs):
         torch.testing.assert_close(p, q, **tol)
