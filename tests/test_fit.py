@@ -26,7 +26,7 @@ def test_fit_trains_and_writes_the_run_dir(tmp_path):
     r = _fit(tmp_path, "train.steps=30", "optim.lr=3e-3", "train.eval_every=15", "checkpoint.every=10")
     assert r.returncode == 0, r.stderr
     rows = _metrics(tmp_path)
-    assert [x["step"] for x in rows if "loss" in x] == [5, 10, 15, 20, 25, 30]
+    assert [x["step"] for x in rows if "loss" in x] == [1, 5, 10, 15, 20, 25, 30]  # the first step, then log.every
     for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "step_time"):
         assert all(key in x for x in rows if "loss" in x), key
     assert "mfu" not in rows[0]  # no peak FLOP/s on CPU

@@ -152,7 +152,7 @@ class Trainer:
                     "schedule.warmup_steps, check the data, or set train.on_nan=skip."
                 )
             metrics.advance(p["step"], loss_f, speed.last_tps)
-            if force_record or p["step"] % cfg.log.every == 0 or p["step"] == cfg.train.steps:
+            if force_record or first or p["step"] % cfg.log.every == 0 or p["step"] == cfg.train.steps:
                 tps, step_time = speed.read()
                 record = {
                     "step": p["step"],
