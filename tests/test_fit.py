@@ -150,3 +150,11 @@ def test_tensorboard_and_plot(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = run_cli("plot", str(tmp_path / "nope"))
     assert r.returncode == 2 and "no metrics.jsonl" in r.stderr
+
+
+def test_nan_skip_mode_skips_updates_and_finishes(tmp_path):
+    r = _fit(tmp_path, "train.steps=30", "optim.lr=1e4", "optim.grad_clip=0", "schedule.warmup_steps=0",
+             "train.on_nan=skip", "checkpoint.enabled=false")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "non-finite loss or gradient norm; update skipped" in r.stderr
+    assert "done: 30 steps" in r.stdout
