@@ -229,7 +229,8 @@ class Trainer:
                 stop = (check_stop and dist_env.any_rank(self._stop_requested, env)) or step == cfg.train.stop_at
                 save_now = cfg.checkpoint.enabled and (stop or step == cfg.train.steps or periodic)
                 record = None
-                if step == start_step + 1 or evaluate_now or save_now or stop:
+                # On the CPU every op runs before the host moves on: reading one step late gains nothing there.
+                if step == start_step + 1 or evaluate_now or save_now or stop or device.type != "cuda":
                     # The first step (its time is the compile time), and before anything reads the state.
                     record = resolve(pending, force_record=evaluate_now)
                     pending = None
