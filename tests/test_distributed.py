@@ -47,3 +47,30 @@ def test_strategy_none_under_torchrun_is_refused(tmp_path):
     r = _torchrun(2, *SHAPE, "train.steps=2", f"run.dir={tmp_path}")
     assert r.returncode != 0
     assert "would train 2 independent models" in r.stderr
+
+
+def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
+           "fit", "configs/tiny.yaml", *SHAPE, "train.steps=100000", "log.every=2", "distributed.strategy=ddp",
+           f"run.dir={tmp_path}"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.2)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "trainer" in " ".join(p.cmdline())]
+    rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    rank1.send_signal(signal.SIGTERM)  # as a scheduler would, to one process
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert len(saved) == 1, saved
+    last = json.loads((tmp_path / "checkpoints" / saved[0] / "meta.json").read_text())
+    assert last["world_size"] == 2 and last["step"] % 2 == 0  # ranks agree at a log step
+    assert "stopped by signal" in err

@@ -226,7 +226,8 @@ class Trainer:
                 periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
                 # One process checks its own flag every step; ranks agree on it at log steps (a collective).
                 check_stop = not env.distributed or step % cfg.log.every == 0 or evaluate_now or periodic
-                stop = (check_stop and dist_env.any_rank(self._stop_requested, env)) or step == cfg.train.stop_at
+                signalled = check_stop and dist_env.any_rank(self._stop_requested, env)  # on any rank
+                stop = signalled or step == cfg.train.stop_at
                 save_now = cfg.checkpoint.enabled and (stop or step == cfg.train.steps or periodic)
                 record = None
                 # On the CPU every op runs before the host moves on: reading one step late gains nothing there.
@@ -248,7 +249,7 @@ class Trainer:
                     speed.restart()  # evaluation and saving are not training time
                 if stop:
                     saved = f"checkpoint saved: {last_saved}" if save_now else "checkpoint.enabled=false: nothing saved"
-                    why = "by signal" if self._stop_requested else "at train.stop_at"
+                    why = "by signal" if signalled else "at train.stop_at"
                     metrics.print(f"[yellow]stopped {why} at step {step}; {saved}[/yellow]")
                     break
             if pending is not None:
@@ -263,7 +264,7 @@ class Trainer:
             median_step_s=speed.median_step_s,
             run_dir=str(run_dir),
             checkpoint=str(last_saved) if last_saved else None,
-            stopped=self._stop_requested,
+            stopped=step < cfg.train.steps,
         )
         if device.type == "cuda":
             summary["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
