@@ -41,6 +41,14 @@ def test_ddp_two_ranks_reproduce_one_process(tmp_path):
     pb = torch.load(two / "checkpoints/step_000008/model.pt", weights_only=True)
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-5)  # observed 2e-7 (Adam's update, fp32)
+    # Gradient accumulation (2 micro-batches of 2 per rank, reduction only on the last) is the same step.
+    accum = tmp_path / "accum"
+    r = _torchrun(2, *common, "train.micro_batch_size=2", "train.grad_accum=2", "distributed.strategy=ddp",
+                  f"run.dir={accum}")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    c = _losses(accum)
+    for step in a:
+        assert abs(a[step] - c[step]) < 1e-5, (step, a[step], c[step])
 
 
 def test_strategy_none_under_torchrun_is_refused(tmp_path):

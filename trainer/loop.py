@@ -119,6 +119,11 @@ class Trainer:
         accum = cfg.train.grad_accum
         backward_ctx = _backward_context(cfg)
 
+        # 1/accum as a device tensor, not a Python number: compiled autograd lifts a Python scalar saved by
+        # DivBackward into its graph, and torch 2.11's Inductor then called .item() on it in the generated
+        # Triton code (seen on an H100). A tensor factor is an ordinary graph input.
+        inv_accum = torch.tensor(1.0 / accum, device=device)
+
         def forward_backward(step: int) -> torch.Tensor:
             """All micro-steps of one optimizer step; returns the summed (unscaled) loss."""
             loss_sum = torch.zeros((), device=device)
@@ -127,7 +132,7 @@ class Trainer:
                 with backward_ctx(), self._maybe_no_sync(model, micro < accum - 1):
                     with autocast:
                         loss = loss_of(model(x, y))
-                    scaled = loss / accum if accum > 1 else loss  # no Python scalar in the graph when not needed
+                    scaled = loss * inv_accum if accum > 1 else loss
                     (scaler.scale(scaled) if scaler else scaled).backward()
                 loss_sum += loss.detach()
             return loss_sum
