@@ -146,7 +146,7 @@ class Trainer:
         def resolve(p: dict, force_record: bool = False) -> dict | None:
             """Read a launched step's loss: NaN check, throughput, progress bar; its metrics record at log steps."""
             first = p["step"] == start_step + 1
-            loss_f = p["loss"].item()  # the host waits here while the GPU runs the next step: no bubble
+            loss_f, norm_f = p["read"]()  # waits for this step's two numbers only, not for the queued next step
             speed.tick(tokens_per_step, first=first)
             if watcher is not None:
                 _check_recompiles(watcher, p["step"], first=first)
@@ -163,7 +163,7 @@ class Trainer:
                     "step": p["step"],
                     "loss": dist_env.all_reduce_mean(p["loss"], env).item() if env.distributed else loss_f,
                     "lr": p["lr"],
-                    "grad_norm": float(p["grad_norm"]) if p["grad_norm"] is not None else None,
+                    "grad_norm": norm_f,
                     "tokens_per_s": tps,
                     "step_time": step_time,
                     "tokens": p["tokens"],
@@ -207,6 +207,7 @@ class Trainer:
                     scaler.unscale_(opt)
                 grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
                 loss_val = loss_sum / accum if accum > 1 else loss_sum
+                read = _copy_to_host(loss_val, grad_norm)  # started now, read one step later
                 if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):  # syncs every step
                     opt.zero_grad(set_to_none=True)
                     metrics.print(f"[yellow]step {step + 1}: non-finite loss or gradient norm; update skipped[/yellow]")
@@ -225,7 +226,7 @@ class Trainer:
                 tokens_seen += tokens_per_step
                 if pending is not None:
                     _log(resolve(pending))
-                pending = {"step": step, "loss": loss_val, "grad_norm": grad_norm, "lr": lr, "tokens": tokens_seen}
+                pending = {"step": step, "loss": loss_val, "read": read, "lr": lr, "tokens": tokens_seen}
 
                 evaluate_now = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
                 periodic = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
@@ -518,6 +519,29 @@ def _backward_context(cfg: Config):
     c = cfg.compile
     mode = c.mode if c.backend == "inductor" else None
     return lambda: compiled_autograd(c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph)
+
+
+def _copy_to_host(*values):
+    """Start copying scalar tensors to the host; returns a function that waits for them alone and gives floats.
+
+    ``tensor.item()`` would queue its copy behind everything launched since, so reading step k's loss after
+    launching step k+1 would wait for step k+1 and leave the GPU idle while the host prepares step k+2. A
+    non-blocking copy into pinned memory plus an event waits only for step k's own numbers.
+    """
+    present = [v for v in values if isinstance(v, torch.Tensor)]
+    if not present or present[0].device.type != "cuda":
+        return lambda: [float(v) if v is not None else None for v in values]
+    host = torch.empty(len(present), dtype=torch.float32, pin_memory=True)
+    host.copy_(torch.stack([v.detach().float().reshape(()) for v in present]), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list[float | None]:
+        done.synchronize()
+        it = iter(host.tolist())
+        return [next(it) if isinstance(v, torch.Tensor) else (float(v) if v is not None else None) for v in values]
+
+    return read
 
 
 def _is_compile_failure(e: BaseException) -> bool:
