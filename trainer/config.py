@@ -62,8 +62,9 @@ class ModelConfig:
     """Dropout probability (0 disables dropout)."""
     bias: bool = True
     """Biases in linear layers and LayerNorms, as GPT-2."""
-    fused_loss: bool = False
-    """Use the fused linear + cross-entropy Triton kernel for the head and loss."""
+    fused_loss: bool | None = None
+    """Fused linear + cross-entropy Triton kernel for the head and loss (never materialises the logits);
+    null = on with compile.autograd on a GPU (see scripts/results/notes_compiled_autograd.md), else off."""
     target: str | None = None
     """Your own model as "pkg.module:factory"; the factory returns an nn.Module whose
     forward(idx, targets) returns the loss (or a tuple ending in it)."""

@@ -78,9 +78,10 @@ class Trainer:
             device=device,
         )
         m = cfg.model
+        fused_loss = _fused_loss(cfg, device)
         raw_model = build_model(
             preset=m.preset, vocab_size=corpus.vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer,
-            n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, fused_loss=m.fused_loss,
+            n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, fused_loss=fused_loss,
             target=m.target, kwargs=dict(m.kwargs),
         ).to(device)  # fmt: skip
         amp_dtype = _amp_dtype(cfg.train.precision, device)
@@ -111,7 +112,8 @@ class Trainer:
             f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
             f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}"
             f"{f' x{env.world_size}' if env.distributed else ''}, {_precision_name(amp_dtype)}, "
-            f"compile {'on (' + cfg.compile.backend + ')' if cfg.compile.enabled else 'off'}; "
+            f"compile {'on (' + cfg.compile.backend + ')' if cfg.compile.enabled else 'off'}"
+            f"{', compiled autograd' if cfg.compile.autograd else ''}{', fused loss' if fused_loss else ''}; "
             f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {run_dir}"
         )
 
@@ -508,6 +510,20 @@ def _all_finite(loss: torch.Tensor, grad_norm, env) -> bool:
     if grad_norm is not None:
         ok = ok & torch.isfinite(torch.as_tensor(grad_norm, device=loss.device)).all()
     return not dist_env.any_rank(not bool(ok), env)
+
+
+def _fused_loss(cfg: Config, device: torch.device) -> bool:
+    """``model.fused_loss``, with null resolved: on for the built-in GPT under compiled autograd on a GPU.
+
+    Why: AOTAutograd lets Inductor write the logits' gradient into the saved logits buffer ("donated
+    buffers"), but only in its own backward graphs; compiled autograd's graph is compiled as an inference
+    graph, so it allocates a second (tokens x vocab) buffer: +1.5 GB for gpt2-small. The fused loss has
+    no logits buffer at all; measured on an H100: compiled autograd 452K tok/s at 8.0 GB with it, the
+    same as without compiled autograd (452K, 8.1 GB), against 10.6 GB without the fused loss.
+    """
+    if cfg.model.fused_loss is not None:
+        return cfg.model.fused_loss
+    return cfg.compile.autograd and cfg.model.target is None and device.type == "cuda"
 
 
 def _backward_context(cfg: Config):
