@@ -10,7 +10,6 @@ import contextlib
 import math
 import random
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import Config, to_dict, to_yaml
 from trainer.data import Batches, load_corpus
 from trainer.distributed import env as dist_env
-from trainer.metrics import Metrics, peak_flops
+from trainer.metrics import Metrics, StepTimer, peak_flops
 from trainer.models import build_model, flops_per_token, loss_of
 
 
@@ -141,7 +140,7 @@ class Trainer:
 
         watcher = _maybe_watch(compiling, cfg, metrics)
         clips_itself = getattr(opt, "clips_grad_norm", False)
-        speed = _Speed()
+        speed = StepTimer()
         last_saved, summary, evaluated = None, {}, False
         pending: dict | None = None  # the newest launched step; its loss is read (a host sync) one step later
 
@@ -400,54 +399,6 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------------------------
-class _Speed:
-    """Step timing from when each step's loss is read: the first (compile) step apart, then
-    tokens/s and step time between log lines. Steps are read one behind the GPU, so in steady
-    state the interval between two reads is the GPU's step time."""
-
-    def __init__(self):
-        self.first_step_s = None
-        self.last_tps = None
-        self._last = time.perf_counter()
-        self._tokens = self._time = self._steps = 0
-        self._all_tokens = self._all_time = 0.0
-        self._times: list[float] = []
-
-    def restart(self) -> None:
-        """Exclude the time since the last read (evaluation, checkpointing)."""
-        self._last = time.perf_counter()
-
-    def tick(self, tokens: int, first: bool) -> None:
-        now = time.perf_counter()
-        seconds, self._last = now - self._last, now
-        if first:
-            self.first_step_s = seconds
-        else:
-            self._all_tokens += tokens
-            self._all_time += seconds
-            self._times.append(seconds)
-        self._tokens += tokens
-        self._time += seconds
-        self._steps += 1
-        self.last_tps = tokens / max(seconds, 1e-9)
-
-    def read(self) -> tuple[float, float]:
-        """Tokens/s and seconds per step since the last read."""
-        out = self._tokens / max(self._time, 1e-9), self._time / max(self._steps, 1)
-        self._tokens = self._time = self._steps = 0
-        return out
-
-    @property
-    def median_step_s(self) -> float | None:
-        """Median step time over the run, the first step excluded."""
-        return sorted(self._times)[len(self._times) // 2] if self._times else None
-
-    @property
-    def mean_tps(self) -> float | None:
-        """Mean tokens/s over the run, the first step excluded."""
-        return self._all_tokens / self._all_time if self._all_time else None
-
-
 def lr_lambda(cfg: Config):
     """Multiplier of optim.lr at a step: linear warm-up, then cosine/linear decay to min_lr_ratio."""
     warmup, total = cfg.schedule.warmup_steps, cfg.train.steps

@@ -45,24 +45,52 @@ def peak_flops(device: torch.device, override: float | None = None) -> float | N
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-class Throughput:
-    """Tokens/s and step time over the interval since the last :meth:`read`."""
+class StepTimer:
+    """Step timing from when each step's loss is read: the first (compile) step apart, then
+    tokens/s and step time between log lines. Steps are read one behind the GPU, so in steady
+    state the interval between two reads is the GPU's step time."""
 
     def __init__(self):
-        self._t = time.perf_counter()
-        self._tokens = 0
-        self._steps = 0
+        self.first_step_s = None
+        self.last_tps = None
+        self._last = time.perf_counter()
+        self._tokens = self._time = self._steps = 0
+        self._all_tokens = self._all_time = 0.0
+        self._times: list[float] = []
 
-    def add(self, tokens: int) -> None:
+    def restart(self) -> None:
+        """Exclude the time since the last read (evaluation, checkpointing)."""
+        self._last = time.perf_counter()
+
+    def tick(self, tokens: int, first: bool) -> None:
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        if first:
+            self.first_step_s = seconds
+        else:
+            self._all_tokens += tokens
+            self._all_time += seconds
+            self._times.append(seconds)
         self._tokens += tokens
+        self._time += seconds
         self._steps += 1
+        self.last_tps = tokens / max(seconds, 1e-9)
 
     def read(self) -> tuple[float, float]:
-        now = time.perf_counter()
-        dt = max(now - self._t, 1e-9)
-        out = (self._tokens / dt, dt / max(self._steps, 1))
-        self._t, self._tokens, self._steps = now, 0, 0
+        """Tokens/s and seconds per step since the last read."""
+        out = self._tokens / max(self._time, 1e-9), self._time / max(self._steps, 1)
+        self._tokens = self._time = self._steps = 0
         return out
+
+    @property
+    def median_step_s(self) -> float | None:
+        """Median step time over the run, the first step excluded."""
+        return sorted(self._times)[len(self._times) // 2] if self._times else None
+
+    @property
+    def mean_tps(self) -> float | None:
+        """Mean tokens/s over the run, the first step excluded."""
+        return self._all_tokens / self._all_time if self._all_time else None
 
 
 def fmt_si(x: float) -> str:
