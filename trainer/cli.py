@@ -156,20 +156,12 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
 
 
 def _print_summary(s: dict) -> None:
-    parts = [f"done: {s.get('steps')} steps"]
-    if s.get("loss") is not None:
-        parts.append(f"loss {s['loss']:.4f}")
-    if s.get("val_loss") is not None:
-        parts.append(f"val_loss {s['val_loss']:.4f}")
-    if s.get("mean_tokens_per_s"):
-        parts.append(f"{s['mean_tokens_per_s']:,.0f} tok/s")
-    if s.get("first_step_s") is not None:
-        parts.append(f"first step {s['first_step_s']:.1f} s")
-    if s.get("peak_mem_gb") is not None:
-        parts.append(f"peak mem {s['peak_mem_gb']:.2f} GB")
-    if s.get("checkpoint"):
-        parts.append(f"checkpoint {s['checkpoint']}")
-    print(" | ".join(parts), flush=True)
+    from trainer.metrics import format_fields
+
+    fields = [("steps", "done: {} steps"), ("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"),
+              ("mean_tokens_per_s", "{:,.0f} tok/s"), ("first_step_s", "first step {:.1f} s"),
+              ("peak_mem_gb", "peak mem {:.2f} GB"), ("checkpoint", "checkpoint {}")]  # fmt: skip
+    print(format_fields(s, fields), flush=True)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ class Trainer:
 
         def forward_backward(step: int) -> torch.Tensor:
             """All micro-steps of one optimizer step; returns the summed (unscaled) loss."""
-            loss_sum = torch.zeros((), device=device)
+            loss_sum = None
             for micro in range(accum):
                 x, y = batches.train_batch(step, micro)
                 with backward_ctx(), self._maybe_no_sync(model, micro < accum - 1):
@@ -135,7 +135,7 @@ class Trainer:
                         loss = loss_of(model(x, y))
                     scaled = loss * inv_accum if accum > 1 else loss
                     (scaler.scale(scaled) if scaler else scaled).backward()
-                loss_sum += loss.detach()
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # no zeros kernel
             return loss_sum
 
         watcher = _maybe_watch(compiling, cfg, metrics)

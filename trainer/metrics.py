@@ -179,22 +179,31 @@ class Metrics:
             self._tb = None
 
 
+def format_fields(record: dict[str, Any], fields: list[tuple[str, str]]) -> str:
+    """``"a | b | c"`` from ``(key, template)`` pairs, skipping keys that are absent or None."""
+    return " | ".join(t.format(record[k]) for k, t in fields if record.get(k) is not None)
+
+
+# The console line of a metrics record.
+LINE_FIELDS = [
+    ("step", "step {:>6}"),
+    ("loss", "loss {:.4f}"),
+    ("val_loss", "val_loss {:.4f}"),
+    ("lr", "lr {:.2e}"),
+    ("grad_norm", "gnorm {:.3f}"),
+    ("tokens_per_s", "{} tok/s"),  # shown through fmt_si
+    ("step_time_ms", "{:.1f} ms/step"),
+    ("mfu_pct", "mfu {:.1f}%"),
+    ("peak_mem_gb", "mem {:.2f} GB"),
+]
+
+
 def summary_line(r: dict[str, Any]) -> str:
-    parts = [f"step {r['step']:>6}"]
-    if r.get("loss") is not None:
-        parts.append(f"loss {r['loss']:.4f}")
-    if r.get("val_loss") is not None:
-        parts.append(f"val_loss {r['val_loss']:.4f}")
-    if r.get("lr") is not None:
-        parts.append(f"lr {r['lr']:.2e}")
-    if r.get("grad_norm") is not None:
-        parts.append(f"gnorm {r['grad_norm']:.3f}")
-    if r.get("tokens_per_s"):
-        parts.append(f"{fmt_si(r['tokens_per_s'])} tok/s")
+    shown = dict(r)
     if r.get("step_time") is not None:
-        parts.append(f"{r['step_time'] * 1e3:.1f} ms/step")
+        shown["step_time_ms"] = r["step_time"] * 1e3
     if r.get("mfu") is not None:
-        parts.append(f"mfu {r['mfu'] * 100:.1f}%")
-    if r.get("peak_mem_gb") is not None:
-        parts.append(f"mem {r['peak_mem_gb']:.2f} GB")
-    return " | ".join(parts)
+        shown["mfu_pct"] = r["mfu"] * 100
+    if r.get("tokens_per_s") is not None:
+        shown["tokens_per_s"] = fmt_si(r["tokens_per_s"])
+    return format_fields(shown, LINE_FIELDS)
