@@ -40,6 +40,7 @@ class Trainer:
         self.cfg = cfg
         self.resume = resume
         self._stop_requested = False
+        self.splitter = None  # the DDP graph splitter, when one is used (for explain and tests)
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -204,6 +205,8 @@ class Trainer:
                     backward_ctx = contextlib.nullcontext
                     opt.zero_grad(set_to_none=True)
                     loss_sum = forward_backward(step)
+                if hasattr(model, "finish_grad_sync"):
+                    model.finish_grad_sync()  # waits for the bucket all-reduces started during the backward
                 if scaler is not None:
                     scaler.unscale_(opt)
                 grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
@@ -288,14 +291,24 @@ class Trainer:
             )
         if strategy != "none" and not env.distributed:
             say(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
+        plan = splitter = None
+        if env.distributed and strategy == "ddp":
+            from trainer.distributed import ddp
+            from trainer.distributed.buckets import plan_buckets
+
+            plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks)
+            # Split the forward graph at the buckets only where it is one graph with one backward graph:
+            # per-block graphs already end at whole blocks, and compiled autograd makes one backward graph.
+            c = cfg.compile
+            if compile and c.enabled and c.scope == "model" and not c.autograd:
+                splitter = ddp.PlanSplitter(plan, ddp.inner_backend(c.backend, c.mode))
+            self.splitter = splitter
         if compile and cfg.compile.enabled:
             from trainer.compile.capture import apply_compile
 
-            model = apply_compile(model, cfg.compile, say=say)
-        if env.distributed and strategy == "ddp":
-            from trainer.distributed.ddp import apply_ddp
-
-            model = apply_ddp(model, env, bucket_mb=cfg.distributed.bucket_mb)
+            model = apply_compile(model, cfg.compile, say=say, backend=splitter)
+        if plan is not None:
+            model = ddp.DataParallel(model, plan)
         elif env.distributed and strategy == "fsdp":
             raise ValueError("distributed.strategy: fsdp is not available yet; use ddp")
         return model

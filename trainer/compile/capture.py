@@ -48,14 +48,20 @@ def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | Non
     return kwargs
 
 
-def apply_compile(model: nn.Module, cfg, say=print) -> nn.Module:
+def apply_compile(model: nn.Module, cfg, say=print, backend=None) -> nn.Module:
     """Compile ``model`` as ``cfg`` (the ``compile`` config section) says; returns the module to call.
+
+    ``backend``, a Dynamo backend callable, replaces ``cfg.backend``/``cfg.mode`` (the distributed
+    layer passes its graph splitter, which applies them to each piece).
 
     With ``scope: model`` the returned module is the ``torch.compile`` wrapper (the original is
     its ``_orig_mod``); with ``scope: blocks`` the model itself, its blocks compiled in place and,
     with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph.
     """
     kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic)
+    if backend is not None:
+        kwargs.pop("mode", None)
+        kwargs["backend"] = backend
     if cfg.scope == "model":
         if not cfg.loss:
             say("compile.loss=false has no effect with compile.scope=model: the loss is inside the model's graph")

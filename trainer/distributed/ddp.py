@@ -1,12 +1,232 @@
-"""Data parallel: gradients all-reduced in buckets while the backward runs."""
+"""Data parallel over the bucket plan: bucketed all-reduce during the backward, graphs split at buckets.
+
+Two pieces, both driven by one :class:`~trainer.distributed.buckets.BucketPlan`:
+
+:class:`DataParallel` wraps the (compiled) model. A post-accumulate-grad hook on every parameter
+counts the bucket's ready gradients; when the last one arrives it flattens the bucket (one
+``torch.cat``, the 1/world factor folded in where the backend has no average) and starts one
+functional all-reduce (``torch.distributed._functional_collectives``). Nothing waits for it until
+:meth:`DataParallel.finish_grad_sync`, called once after the last micro-batch's backward, which
+makes the parameters' ``.grad`` views into the reduced flat buffers. Inside :meth:`no_sync` the
+hooks do nothing, so gradient accumulation reduces once, on the last micro-step.
+
+The same hook code runs eagerly after each compiled backward piece and, under compiled autograd,
+is traced by Dynamo into the one backward graph: functional collectives are traceable, so there
+the all-reduces are nodes of the compiled backward and the waits sit at its end. (torch's own
+``optimize_ddp="python_reducer"`` issues one collective per parameter and leaves bucketing to
+Inductor passes that only run under Inductor; ours are the plan's buckets on every backend.)
+
+:class:`PlanSplitter` is the Dynamo backend that splits the forward graph at the plan's bucket
+boundaries. We reuse torch's DDPOptimizer machinery (``split_module`` plus its ``SubmodCompiler``,
+which compiles each piece with fake inputs) but not its bucket choice: DDPOptimizer counts bytes
+in reverse graph order against a cap and cannot be given buckets, so its pieces need not match
+any reducer's buckets (the C++ reducer even rebuilds its buckets after the first step). Ours
+starts a piece at the first forward use of a bucket's parameters, so the backward of piece ``k``
+completes exactly bucket ``n-1-k``, whose all-reduce then overlaps the backward of the pieces
+before it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
+
+from trainer.distributed.buckets import BucketPlan
+
+log = logging.getLogger(__name__)
 
 
-def apply_ddp(model: nn.Module, env, *, bucket_mb: float) -> nn.Module:
-    """Wrap ``model`` in DDP with ``bucket_mb`` buckets, one device per process."""
-    device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb)
+class DataParallel(nn.Module):
+    """Replicated data parallelism over ``plan``'s buckets (see the module docstring).
+
+    Args:
+        module: the model to call (compiled or not); its parameters must be ``plan``'s.
+        plan: the bucket plan of the unwrapped model.
+        group: the process group (default: the world).
+        broadcast: copy rank 0's parameters and buffers to every rank first.
+    """
+
+    def __init__(self, module: nn.Module, plan: BucketPlan, group=None, *, broadcast: bool = True):
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self._group = group if group is not None else dist.group.WORLD
+        self._world = dist.get_world_size(self._group)
+        # NCCL averages in the collective; gloo has no AVG: sum copies pre-scaled by 1/world.
+        self._op = "avg" if dist.get_backend(self._group) == "nccl" else "sum"
+        self._scale = 1.0 if self._op == "avg" else 1.0 / self._world
+        self._sync = True
+        n = len(plan.buckets)
+        self._counts = [len(b.params) for b in plan.buckets]
+        self._ready = [0] * n
+        self._reduced: list[torch.Tensor | None] = [None] * n
+        self._warned_late: set[int] = set()
+        if broadcast:
+            with torch.no_grad():
+                for t in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(t, src=dist.get_global_rank(self._group, 0), group=self._group)
+        for b in plan.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._make_hook(b.index))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; nothing is reduced."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _make_hook(self, b: int) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            if not self._sync:
+                return
+            self._ready[b] += 1
+            if self._ready[b] == self._counts[b]:
+                self._launch(b)
+
+        return hook
+
+    def _launch(self, b: int) -> None:
+        import torch.distributed._functional_collectives as funcol
+
+        grads = [p.grad.reshape(-1) for p in self.plan.buckets[b].params]
+        flat = torch.cat(grads)
+        if self._scale != 1.0:
+            flat = flat * self._scale
+        self._reduced[b] = funcol.all_reduce(flat, self._op, self._group)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's all-reduce and make each ``param.grad`` a view of its reduced buffer.
+
+        Call once after the backward of the last micro-batch (outside :meth:`no_sync`). A bucket
+        whose parameters did not all get a gradient (an unused layer) is reduced here, late, with
+        zeros for the missing ones; every rank must leave the same parameters unused.
+        """
+        if not self._sync:
+            return
+        for bucket in self.plan.buckets:
+            if self._reduced[bucket.index] is None:
+                self._late(bucket)
+        for bucket in self.plan.buckets:
+            flat = self._reduced[bucket.index]
+            flat = flat.wait() if hasattr(flat, "wait") else flat  # AsyncCollectiveTensor in eager
+            offset = 0
+            for p in bucket.params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self._reduced[bucket.index] = None
+            self._ready[bucket.index] = 0
+
+    def _late(self, bucket) -> None:
+        missing = [n for n, p in zip(bucket.names, bucket.params) if p.grad is None]
+        if bucket.index not in self._warned_late:
+            self._warned_late.add(bucket.index)
+            log.warning(
+                "bucket %d: %d parameter(s) got no gradient this step (%s); the bucket is reduced after the "
+                "backward, without overlap",
+                bucket.index, len(missing), ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""),
+            )  # fmt: skip
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._launch(bucket.index)
+
+
+class PlanSplitter:
+    """A Dynamo backend: split the forward graph at ``plan``'s bucket boundaries, compile each piece with ``inner``.
+
+    After compiling, :attr:`pieces` holds one list per captured graph: for each piece, in forward
+    order, the bucket indices whose parameters are first used there (the alignment the tests and
+    ``trainer explain`` show). :attr:`misaligned` is true when a graph's pieces could not follow
+    the plan (parameters used in another order than they are registered).
+    """
+
+    def __init__(self, plan: BucketPlan, inner: Callable):
+        self.plan = plan
+        self.inner = inner
+        self.pieces: list[list[list[int]]] = []
+        self.misaligned = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **compiler_configs):
+        bucket_of = self.plan.bucket_of()
+        param_bucket: dict[torch.fx.Node, int] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, example_inputs):  # parameters are graph inputs (real tensors)
+            if id(value) in bucket_of:
+                param_bucket[node] = bucket_of[id(value)]
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                value = getattr(gm, node.target, None)
+                if id(value) in bucket_of:
+                    param_bucket[node] = bucket_of[id(value)]
+
+        nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        first_use: dict[int, int] = {}  # bucket -> position of the first node using its parameters
+        for i, node in enumerate(nodes):
+            used = [param_bucket[a] for a in node.all_input_nodes if a in param_bucket]
+            if node in param_bucket:
+                used.append(param_bucket[node])
+            for b in used:
+                first_use.setdefault(b, i)
+        starts = sorted(set(first_use.values()))
+        pieces = [sorted(b for b, s in first_use.items() if s == start) for start in starts]
+        # Aligned: one bucket per piece, and pieces in forward order hold buckets in reverse ready order.
+        order = [b for piece in pieces for b in piece]
+        if any(len(p) > 1 for p in pieces) or order != sorted(order, reverse=True):
+            if not self.misaligned:
+                log.warning("graph pieces do not follow the bucket plan (%s); overlap may suffer", pieces)
+            self.misaligned = True
+        self.pieces.append(pieces)
+        if len(starts) <= 1:
+            return self.inner(gm, example_inputs, **compiler_configs)
+
+        partition: dict[torch.fx.Node, int] = {}
+        piece = 0
+        for i, node in enumerate(nodes):
+            while piece + 1 < len(starts) and i >= starts[piece + 1]:
+                piece += 1
+            partition[node] = piece
+        return _split_and_compile(gm, example_inputs, partition, self.inner, compiler_configs)
+
+
+def _split_and_compile(gm, example_inputs, partition, inner, compiler_configs):
+    """torch DDPOptimizer's second half (``torch/_dynamo/backends/distributed.py``), fed our partition."""
+    from torch._dynamo.backends import distributed as ddpo
+    from torch._dynamo.utils import detect_fake_mode
+    from torch.fx.passes.split_module import split_module
+
+    split_gm = split_module(gm, None, lambda node: partition[node])
+    ddpo.propagate_dynamo_source(gm, split_gm)
+    ddpo.propagate_metadata(gm, split_gm)
+    fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.fake_tensor.FakeTensorMode()
+    # torch 2.13's SubmodCompiler takes the backend's compiler configs; 2.11's takes none.
+    extra = compiler_configs if compiler_configs else {}
+    submod_compiler = ddpo.SubmodCompiler(split_gm, inner, fake_mode, **extra)
+    with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+        submod_compiler.run(*example_inputs)
+    split_gm.recompile()
+    return split_gm
+
+
+def inner_backend(backend: str, mode: str = "default") -> Callable:
+    """The compiler each graph piece goes to: ``backend`` by name, with ``mode``'s Inductor options."""
+    if backend == "inductor":
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = list_mode_options(mode) if mode != "default" else {}
+        return functools.partial(compile_fx, config_patches=patches) if patches else compile_fx
+    if mode != "default":
+        raise ValueError(f"compile.mode: '{mode}' needs compile.backend=inductor (got '{backend}')")
+    return torch._dynamo.lookup_backend(backend)
