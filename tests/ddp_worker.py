@@ -41,11 +41,11 @@ def main(out_dir: str) -> None:
         plan = plan_buckets(raw, bucket_mb=0.01)  # 10 KiB: one block per bucket for this size
         compiled_pieces, ca_ops = [], []
 
-        def record_piece(gm, example_inputs, **kw):
+        def record_piece(gm, example_inputs, compiled_pieces=compiled_pieces, **kw):
             compiled_pieces.append(sorted({n.name for n in gm.graph.nodes if n.op == "placeholder"}))
             return gm.forward
 
-        def record_ca(gm, example_inputs, **kw):
+        def record_ca(gm, example_inputs, ca_ops=ca_ops, **kw):
             ca_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
             return gm.forward
 
@@ -53,7 +53,7 @@ def main(out_dir: str) -> None:
         fwd = raw if variant == "eager" else torch.compile(raw, backend=splitter if variant == "split" else "eager")
         dp = DataParallel(fwd, plan)
         ctx = (lambda: compiled_autograd(backend=record_ca)) if variant == "ca" else torch.enable_grad
-        for step in range(2):  # the second step reuses the compiled graphs and the buffers
+        for _ in range(2):  # the second step reuses the compiled graphs and the buffers
             for p in raw.parameters():
                 p.grad = None
             with ctx():

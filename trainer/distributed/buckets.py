@@ -89,7 +89,10 @@ def _short_units(units: tuple[str, ...]) -> str:
     return f"{units[0]} .. {units[-1]} ({len(units)} units)"
 
 
-def _units(model: nn.Module, blocks_path: str | None) -> tuple[list[tuple[str, list[tuple[str, nn.Parameter]]]], str | None]:
+Unit = tuple[str, list[tuple[str, nn.Parameter]]]  # (unit name, [(parameter name, parameter), ...])
+
+
+def _units(model: nn.Module, blocks_path: str | None) -> tuple[list[Unit], str | None]:
     """``[(unit name, [(param name, param), ...]), ...]`` in forward (registration) order."""
     from trainer.compile.capture import find_blocks
 
