@@ -31,6 +31,7 @@ import torch
 
 META = "meta.json"
 LAST = "last"
+DCP_DIR = "dcp"
 # Keys of the config that fix the model's shape: a resume must not change them.
 SHAPE_KEYS = [
     "model.preset",
@@ -111,11 +112,14 @@ def save(
     is_main: bool,
     keep: int,
     barrier=lambda: None,
+    write_shards=None,
 ) -> Path:
     """Write one checkpoint atomically and move ``last`` to it.
 
     Every rank calls this; ``rank`` writes its RNG file, the main rank writes the rest and
-    renames. ``barrier`` separates the phases when several ranks write.
+    renames. ``barrier`` separates the phases when several ranks write. ``write_shards(dir)``,
+    when given, is called on every rank to write sharded state (DCP) under ``dir/dcp``; then
+    ``model_state`` is None and no ``model.pt`` is written.
     """
     name = checkpoint_name(step)
     final = ckpt_root / name
@@ -126,8 +130,11 @@ def save(
         tmp.mkdir(parents=True)
     barrier()
     _save_file(rng, tmp / f"rng_rank{rank}.pt")
+    if write_shards is not None:
+        write_shards(tmp / DCP_DIR)
     if is_main:
-        _save_file(model_state, tmp / "model.pt")
+        if model_state is not None:
+            _save_file(model_state, tmp / "model.pt")
         fault_point("checkpoint_write", step)  # between two files: the checkpoint is incomplete
         _save_file(optim_state, tmp / "optim.pt")
         with open(tmp / META, "w") as f:
@@ -197,7 +204,10 @@ def _load_file(path: Path, device: torch.device) -> Any:
 
 
 def load(path: Path, *, rank: int, device: torch.device) -> dict:
-    """Read a checkpoint directory: ``{"model", "optim", "rng", "meta"}``.
+    """Read a checkpoint directory: ``{"model", "optim", "rng", "meta", "dcp"}``.
+
+    A checkpoint written under FSDP has its model and optimizer state in ``dcp/`` (read with
+    :func:`trainer.distributed.fsdp.load_dcp`): then ``model`` is None and ``dcp`` is that path.
 
     Raises:
         CheckpointError: naming the file and the problem.
@@ -212,9 +222,11 @@ def load(path: Path, *, rank: int, device: torch.device) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"corrupt checkpoint file {meta_path}: {e}") from None
     rng_path = path / f"rng_rank{rank}.pt"
+    sharded = (path / DCP_DIR).is_dir()
     return {
         "meta": meta,
-        "model": _load_file(path / "model.pt", device),
+        "dcp": path / DCP_DIR if sharded else None,  # model and optimizer state, sharded (DCP)
+        "model": None if sharded else _load_file(path / "model.pt", device),
         "optim": _load_file(path / "optim.pt", device),
         "rng": _load_file(rng_path, torch.device("cpu")) if rng_path.exists() else None,
     }

@@ -184,6 +184,10 @@ class DistributedConfig:
     """Gradient bucket size cap in MiB (whole blocks per bucket up to this size)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
+    param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
+    """FSDP: dtype parameters are gathered in for compute; auto = train.precision's (bf16 on GPU)."""
+    reduce_dtype: str = _f("fp32", choices=["fp32", "bf16"])
+    """FSDP: dtype gradients are reduce-scattered in."""
 
 
 @dataclass(kw_only=True)
@@ -250,6 +254,12 @@ class Config:
             shape.update({k: getattr(self.model, k) for k in ("n_embd", "n_head") if getattr(self.model, k)})
             if shape["n_embd"] % shape["n_head"]:
                 raise ConfigError(f"model.n_embd: {shape['n_embd']} is not divisible by model.n_head={shape['n_head']}")
+        if self.optim.impl == "triton" and self.distributed.strategy == "fsdp":
+            raise ConfigError(
+                "optim.impl: 'triton' with distributed.strategy=fsdp is not supported: the Triton optimizer moves "
+                "parameters into its own flat buffers, and FSDP2 owns the sharded parameter storage; use "
+                "optim.impl=fused (or auto) with fsdp"
+            )
         if self.compile.autograd and self.distributed.strategy == "fsdp":
             # Upstream removed FSDP2 + compiled autograd support in 2.13: it runs without error and leaves
             # parameters unsharded and gradients unreduced. Refuse rather than train silently wrong.

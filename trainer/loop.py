@@ -86,6 +86,9 @@ class Trainer:
         ).to(device)  # fmt: skip
         amp_dtype = _amp_dtype(cfg.train.precision, device)
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
+        if env.distributed and cfg.distributed.strategy == "fsdp":
+            # Sharding replaces the parameters (DTensors): before the optimizer is built and state is loaded.
+            self._shard(raw_model, cfg, amp_dtype, say=(lambda m: print(m, flush=True)) if env.is_main else None)
         opt = _build_optimizer(raw_model, cfg, device)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
 
@@ -303,15 +306,38 @@ class Trainer:
             if compile and c.enabled and c.scope == "model" and not c.autograd:
                 splitter = ddp.PlanSplitter(plan, ddp.inner_backend(c.backend, c.mode))
             self.splitter = splitter
-        if compile and cfg.compile.enabled:
+        fsdp = env.distributed and strategy == "fsdp"  # sharded, and its blocks compiled, by _shard already
+        if compile and cfg.compile.enabled and not fsdp:
             from trainer.compile.capture import apply_compile
 
             model = apply_compile(model, cfg.compile, say=say, backend=splitter)
         if plan is not None:
             model = ddp.DataParallel(model, plan)
-        elif env.distributed and strategy == "fsdp":
-            raise ValueError("distributed.strategy: fsdp is not available yet; use ddp")
         return model
+
+    @staticmethod
+    def _shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
+        """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard."""
+        import dataclasses
+
+        from trainer.distributed.fsdp import DTYPES, apply_fsdp
+
+        c, d = cfg.compile, cfg.distributed
+        if c.enabled:
+            from trainer.compile.capture import apply_compile
+
+            if c.scope == "model" and say:
+                say("fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP")
+            blocks = dataclasses.replace(c, scope="blocks")
+            apply_compile(model, blocks, say=say or (lambda m: None), hooks_outside=True)
+        param_dtype = amp_dtype if d.param_dtype == "auto" else DTYPES[d.param_dtype]
+        apply_fsdp(
+            model,
+            blocks=c.blocks,
+            param_dtype=None if param_dtype in (None, torch.float32) else param_dtype,
+            reduce_dtype=DTYPES[d.reduce_dtype],
+            reshard_after_forward=d.reshard_after_forward,
+        )
 
     @staticmethod
     def _maybe_no_sync(model: nn.Module, skip_reduction: bool):
@@ -330,7 +356,10 @@ class Trainer:
         return dist_env.all_reduce_mean(total / self.cfg.train.eval_batches, env).item()
 
     def _save(self, raw_model, opt, sched, scaler, env, run_dir, step, tokens_seen, batches) -> Path:
-        optim_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+        sharded = env.distributed and self.cfg.distributed.strategy == "fsdp"
+        optim_state = {"scheduler": sched.state_dict()}
+        if not sharded:
+            optim_state["optimizer"] = opt.state_dict()
         if scaler is not None:
             optim_state["scaler"] = scaler.state_dict()
         meta = {
@@ -348,7 +377,7 @@ class Trainer:
         return ckpt.save(
             run_dir / "checkpoints",
             step=step,
-            model_state=raw_model.state_dict(),
+            model_state=None if sharded else raw_model.state_dict(),
             optim_state=optim_state,
             meta=meta,
             rng=ckpt.rng_state(env.device),
@@ -356,6 +385,7 @@ class Trainer:
             is_main=env.is_main,
             keep=self.cfg.checkpoint.keep,
             barrier=barrier,
+            write_shards=_dcp_writer(raw_model, opt) if sharded else None,
         )
 
     def _restore(self, raw_model, opt, sched, scaler, env, run_dir) -> tuple[int, int]:
@@ -363,9 +393,20 @@ class Trainer:
         state = ckpt.load(path, rank=env.rank, device=env.device)
         meta = state["meta"]
         changes = ckpt.compare_configs(meta.get("config", {}), to_dict(self.cfg), path)
+        sharded = env.distributed and self.cfg.distributed.strategy == "fsdp"
+        if sharded and state["dcp"] is None:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} was written without fsdp (whole tensors in model.pt); resume it with "
+                "distributed.strategy=ddp or none"
+            )
         try:
-            raw_model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"]["optimizer"])
+            if state["dcp"] is not None:  # written under FSDP: resharded to this run's world size by DCP
+                from trainer.distributed.fsdp import load_dcp
+
+                load_dcp(state["dcp"], raw_model, opt)
+            else:
+                raw_model.load_state_dict(state["model"])
+                opt.load_state_dict(state["optim"]["optimizer"])
             sched.load_state_dict(state["optim"]["scheduler"])
             if scaler is not None and "scaler" in state["optim"]:
                 scaler.load_state_dict(state["optim"]["scaler"])
@@ -459,14 +500,25 @@ def _build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> tor
     )
 
 
+def _dcp_writer(model: nn.Module, opt):
+    def write(path: Path) -> None:
+        from trainer.distributed.fsdp import save_dcp
+
+        save_dcp(path, model, opt)
+
+    return write
+
+
 def _clip(model: nn.Module, opt, max_norm: float, clips_itself: bool):
     """Clip by global norm unless the optimizer does it inside its kernel; returns the pre-clip norm."""
     if clips_itself:
         return opt.grad_norm()  # on device, no sync; the optimizer's step() clips with this same tensor
     params = [p for p in model.parameters() if p.grad is not None]
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor, reduced over ranks
 
 
 def _all_finite(loss: torch.Tensor, grad_norm, env) -> bool:
@@ -573,6 +625,7 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         if getattr(mod, "_compiled_call_impl", None) is not None:
             mod._compiled_call_impl = None
+        mod.__dict__.pop("forward", None)  # a compiled forward set as an instance attribute (fsdp)
     model.__dict__.pop("head_loss", None)  # the instance attribute apply_compile set; the method shows again
     return model
 

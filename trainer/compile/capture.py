@@ -48,11 +48,13 @@ def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | Non
     return kwargs
 
 
-def apply_compile(model: nn.Module, cfg, say=print, backend=None) -> nn.Module:
+def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside: bool = False) -> nn.Module:
     """Compile ``model`` as ``cfg`` (the ``compile`` config section) says; returns the module to call.
 
-    ``backend``, a Dynamo backend callable, replaces ``cfg.backend``/``cfg.mode`` (the distributed
-    layer passes its graph splitter, which applies them to each piece).
+    ``hooks_outside`` (``scope: blocks`` only) compiles each block's ``forward`` instead of its
+    ``__call__``, so module hooks (FSDP's) run outside the graph. ``backend``, a Dynamo backend
+    callable, replaces ``cfg.backend``/``cfg.mode`` (the distributed layer passes its graph
+    splitter, which applies them to each piece).
 
     With ``scope: model`` the returned module is the ``torch.compile`` wrapper (the original is
     its ``_orig_mod``); with ``scope: blocks`` the model itself, its blocks compiled in place and,
@@ -68,7 +70,10 @@ def apply_compile(model: nn.Module, cfg, say=print, backend=None) -> nn.Module:
         return torch.compile(model, **kwargs)
     _, blocks = find_blocks(model, cfg.blocks)
     for block in blocks:
-        block.compile(**kwargs)
+        if hooks_outside:
+            block.forward = torch.compile(block.forward, **kwargs)  # an instance attribute: no state-dict change
+        else:
+            block.compile(**kwargs)
     if cfg.loss:
         head_loss = getattr(model, "head_loss", None)
         if callable(head_loss):
