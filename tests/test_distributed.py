@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import FAST, ROOT
@@ -24,31 +25,108 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_ddp_two_ranks_reproduce_one_process(tmp_path):
-    common = [*SHAPE, "train.steps=8", "log.every=1", "optim.lr=3e-3"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    r = _torchrun(1, *common, "train.micro_batch_size=8", f"run.dir={one}")
+def _params(run_dir, step):
+    """The model's parameters at ``step``: model.pt, or a DCP checkpoint (fsdp) converted to whole tensors."""
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    if (ckpt / "dcp").is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(ckpt / "dcp", run_dir / "whole.pt")
+        return torch.load(run_dir / "whole.pt", weights_only=False)["model"]
+    return torch.load(ckpt / "model.pt", weights_only=True)
+
+
+COMMON = [*SHAPE, "train.steps=8", "log.every=1", "optim.lr=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process, the whole global batch of 8 sequences."""
+    one = tmp_path_factory.mktemp("one")
+    r = _torchrun(1, *COMMON, "train.micro_batch_size=8", f"run.dir={one}")
     assert r.returncode == 0, r.stderr
-    r = _torchrun(2, *common, "train.micro_batch_size=4", "distributed.strategy=ddp", f"run.dir={two}")
+    return one
+
+
+# Each variant: 2 ranks x 4 sequences (or 2 micro-batches of 2) = the reference's global batch.
+VARIANTS = {
+    "ddp": ["distributed.strategy=ddp"],
+    "ddp-accum": ["distributed.strategy=ddp", "train.micro_batch_size=2", "train.grad_accum=2"],
+    # 10 KiB buckets: one block per bucket, so the compiled forward is split into 4 pieces.
+    "ddp-compiled": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
+                     "distributed.bucket_mb=0.01"],
+    "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
+                              "compile.autograd=true", "distributed.bucket_mb=0.01", "train.grad_accum=2",
+                              "train.micro_batch_size=2"],
+    "fsdp": ["distributed.strategy=fsdp"],
+    "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true", "compile.backend=aot_eager"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_ranks_reproduce_one_process(variant, one_process, tmp_path):
+    r = _torchrun(2, *COMMON, "train.micro_batch_size=4", *VARIANTS[variant], f"run.dir={tmp_path}")
     assert r.returncode == 0, r.stderr
-    a, b = _losses(one), _losses(two)
+    a, b = _losses(one_process), _losses(tmp_path)
     assert sorted(a) == sorted(b) == list(range(1, 9))  # rank 0 alone writes: each step once
-    # The logged loss is the mean over ranks; gloo sums gradients in another order than one process's
-    # batched matmuls: observed max |diff| 1e-6 over 8 steps.
+    # The logged loss is the mean over ranks; the ranks' gradients are summed in another order than one
+    # process's batched matmuls: observed max |diff| 1e-6 over 8 steps.
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
-    pa = torch.load(one / "checkpoints/step_000008/model.pt", weights_only=True)
-    pb = torch.load(two / "checkpoints/step_000008/model.pt", weights_only=True)
+    pa, pb = _params(one_process, 8), _params(tmp_path, 8)
+    assert set(pa) == set(pb)
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-5)  # observed 2e-7 (Adam's update, fp32)
-    # Gradient accumulation (2 micro-batches of 2 per rank, reduction only on the last) is the same step.
-    accum = tmp_path / "accum"
-    r = _torchrun(2, *common, "train.micro_batch_size=2", "train.grad_accum=2", "distributed.strategy=ddp",
-                  f"run.dir={accum}")  # fmt: skip
+
+
+def test_plan_split_and_reduction_inside_the_backward_graph(tmp_path):
+    """tests/ddp_worker.py on 2 ranks: buckets, graph pieces, all-reduces in the compiled-autograd graph."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for variant in ("eager", "split", "ca"):
+            v = res[variant]
+            # Gradients equal the mean over the global batch computed in one process (fp32; observed 3e-8).
+            assert v["max_grad_err"] < 1e-6, (variant, v["max_grad_err"])
+            # The plan: head first (ready first), then the blocks from the last, then the embeddings (tied wte).
+            assert [u for units in v["units"] for u in units] == [
+                "head",
+                "transformer.h.3",
+                "transformer.h.2",
+                "transformer.h.1",
+                "transformer.h.0",
+                "embeddings",
+            ]
+            assert v["buckets"][-1] == ["transformer.wpe.weight", "transformer.wte.weight"]
+        split = res["split"]
+        # One graph, six pieces; piece k (forward order) first uses exactly the parameters of bucket 5-k.
+        assert split["pieces"] == [[[5], [4], [3], [2], [1], [0]]]
+        assert split["n_compiled_pieces"] == 6 and not split["misaligned"]
+        # Compiled autograd: one all-reduce per bucket, inside the captured backward graph.
+        assert res["ca"]["ca_all_reduces"] == 6
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_save_on_two_ranks_resume_on_one(strategy, tmp_path):
+    """Stop at step 5 of 8 on 2 ranks, finish in 1 process: steps 6-8 equal a straight 1-process run."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    r = _torchrun(1, *COMMON, "train.micro_batch_size=8", f"run.dir={straight}")
     assert r.returncode == 0, r.stderr
-    c = _losses(accum)
-    for step in a:
-        assert abs(a[step] - c[step]) < 1e-5, (step, a[step], c[step])
+    r = _torchrun(2, *COMMON, "train.micro_batch_size=4", f"distributed.strategy={strategy}", "train.stop_at=5",
+                  f"run.dir={run}")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert (run / "checkpoints" / "step_000005" / "dcp").is_dir() == (strategy == "fsdp")
+    r = _torchrun(1, *COMMON, "train.micro_batch_size=8", f"distributed.strategy={strategy}", f"run.dir={run}",
+                  "resume=last")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    a, b = _losses(straight), _losses(run)
+    for step in (6, 7, 8):
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
 
 
 def test_strategy_none_under_torchrun_is_refused(tmp_path):
