@@ -65,8 +65,8 @@ def run_user(a, compile_model: bool) -> dict:
     """The loop a user writes around torch.compile(model) with fused AdamW."""
     import torch
 
+    from trainer.build import param_groups
     from trainer.data import Batches, load_corpus
-    from trainer.loop import param_groups
     from trainer.models import build_model, flops_per_token
 
     torch.manual_seed(0)

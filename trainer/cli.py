@@ -144,10 +144,17 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     cfg = load_config(config, [*overrides, *forced])
     cfg.compile.cache_dir = cfg.compile.cache_dir or str(Path(scratch) / "compile_cache")
     dumping = dump_code(dump_dir) if dump_dir else contextlib.nullcontext([])
+    trainer = Trainer(cfg)
     with dumping as files:
-        Trainer(cfg).fit()
+        trainer.fit()
     report = json.loads((Path(scratch) / "compile_report.json").read_text())
+    if os.environ.get("RANK", "0") != "0":
+        return 0
     print(format_text(report))
+    if cfg.distributed.strategy == "ddp":
+        from trainer.build import ddp_plan_report
+
+        print(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
     if dump_dir:
         print(f"generated code: {len(files)} file(s) in {dump_dir}")
         for f in files:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from trainer import build
 from trainer import checkpoint as ckpt
 from trainer.config import Config, to_dict, to_yaml
 from trainer.data import Batches, load_corpus
@@ -41,6 +42,7 @@ class Trainer:
         self.resume = resume
         self._stop_requested = False
         self.splitter = None  # the DDP graph splitter, when one is used (for explain and tests)
+        self.raw_model: nn.Module | None = None  # the unwrapped model, after fit()
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -78,19 +80,19 @@ class Trainer:
             device=device,
         )
         m = cfg.model
-        fused_loss = _fused_loss(cfg, device)
+        fused_loss = build.fused_loss(cfg, device)
         raw_model = build_model(
             preset=m.preset, vocab_size=corpus.vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer,
             n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, fused_loss=fused_loss,
             target=m.target, kwargs=dict(m.kwargs),
         ).to(device)  # fmt: skip
-        amp_dtype = _amp_dtype(cfg.train.precision, device)
+        amp_dtype = build.amp_dtype(cfg.train.precision, device)
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
         if env.distributed and cfg.distributed.strategy == "fsdp":
             # Sharding replaces the parameters (DTensors): before the optimizer is built and state is loaded.
-            self._shard(raw_model, cfg, amp_dtype, say=(lambda m: print(m, flush=True)) if env.is_main else None)
-        opt = _build_optimizer(raw_model, cfg, device)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+            build.shard(raw_model, cfg, amp_dtype, say=(lambda m: print(m, flush=True)) if env.is_main else None)
+        opt = build.build_optimizer(raw_model, cfg, device)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
 
         start_step, tokens_seen = 0, 0
         if self.resume:
@@ -106,7 +108,8 @@ class Trainer:
             tensorboard=cfg.log.tensorboard,
             start_step=start_step,
         )
-        model = self._wrap(raw_model, cfg, env, say=metrics.print)
+        self.raw_model = raw_model
+        model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print)
         n_params = sum(p.numel() for p in raw_model.parameters())
         fpt = flops_per_token(raw_model, cfg.data.seq_len)
         peak = peak_flops(device, cfg.log.peak_flops)
@@ -114,7 +117,7 @@ class Trainer:
         metrics.print(
             f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
             f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}"
-            f"{f' x{env.world_size}' if env.distributed else ''}, {_precision_name(amp_dtype)}, "
+            f"{f' x{env.world_size}' if env.distributed else ''}, {build.precision_name(amp_dtype)}, "
             f"compile {'on (' + cfg.compile.backend + ')' if cfg.compile.enabled else 'off'}"
             f"{', compiled autograd' if cfg.compile.autograd else ''}{', fused loss' if fused_loss else ''}; "
             f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {run_dir}"
@@ -204,7 +207,7 @@ class Trainer:
                         f"[bold red]compile failed at step {step + 1}; compile.fallback=eager: running this run "
                         f"eagerly (forward, backward and compiled autograd).[/bold red]\n{compile_error_hint(e)}"
                     )
-                    model = self._wrap(_uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
+                    model, _ = build.wrap(build.uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
                     backward_ctx = contextlib.nullcontext
                     opt.zero_grad(set_to_none=True)
                     loss_sum = forward_backward(step)
@@ -284,61 +287,6 @@ class Trainer:
         return summary
 
     # ------------------------------------------------------------------------------------------
-    def _wrap(self, model: nn.Module, cfg: Config, env, say, compile: bool = True) -> nn.Module:  # noqa: A002
-        """Compilation and data-parallel wrapping: the module the loop calls."""
-        strategy = cfg.distributed.strategy
-        if env.distributed and strategy == "none":
-            raise ValueError(
-                f"distributed.strategy: 'none' with {env.world_size} processes would train {env.world_size} "
-                "independent models; set distributed.strategy=ddp or fsdp"
-            )
-        if strategy != "none" and not env.distributed:
-            say(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
-        plan = splitter = None
-        if env.distributed and strategy == "ddp":
-            from trainer.distributed import ddp
-            from trainer.distributed.buckets import plan_buckets
-
-            plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks)
-            # Split the forward graph at the buckets only where it is one graph with one backward graph:
-            # per-block graphs already end at whole blocks, and compiled autograd makes one backward graph.
-            c = cfg.compile
-            if compile and c.enabled and c.scope == "model" and not c.autograd:
-                splitter = ddp.PlanSplitter(plan, ddp.inner_backend(c.backend, c.mode))
-            self.splitter = splitter
-        fsdp = env.distributed and strategy == "fsdp"  # sharded, and its blocks compiled, by _shard already
-        if compile and cfg.compile.enabled and not fsdp:
-            from trainer.compile.capture import apply_compile
-
-            model = apply_compile(model, cfg.compile, say=say, backend=splitter)
-        if plan is not None:
-            model = ddp.DataParallel(model, plan)
-        return model
-
-    @staticmethod
-    def _shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
-        """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard."""
-        import dataclasses
-
-        from trainer.distributed.fsdp import DTYPES, apply_fsdp
-
-        c, d = cfg.compile, cfg.distributed
-        if c.enabled:
-            from trainer.compile.capture import apply_compile
-
-            if c.scope == "model" and say:
-                say("fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP")
-            blocks = dataclasses.replace(c, scope="blocks")
-            apply_compile(model, blocks, say=say or (lambda m: None), hooks_outside=True)
-        param_dtype = amp_dtype if d.param_dtype == "auto" else DTYPES[d.param_dtype]
-        apply_fsdp(
-            model,
-            blocks=c.blocks,
-            param_dtype=None if param_dtype in (None, torch.float32) else param_dtype,
-            reduce_dtype=DTYPES[d.reduce_dtype],
-            reshard_after_forward=d.reshard_after_forward,
-        )
-
     @staticmethod
     def _maybe_no_sync(model: nn.Module, skip_reduction: bool):
         no_sync = getattr(model, "no_sync", None)
@@ -453,53 +401,6 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------------------------
-def lr_lambda(cfg: Config):
-    """Multiplier of optim.lr at a step: linear warm-up, then cosine/linear decay to min_lr_ratio."""
-    warmup, total = cfg.schedule.warmup_steps, cfg.train.steps
-    floor, decay = cfg.schedule.min_lr_ratio, cfg.schedule.decay
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if decay == "constant" or total <= warmup:
-            return 1.0
-        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if decay == "cosine" else 1.0 - progress
-        return floor + (1.0 - floor) * shape
-
-    return f
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: not on norms, biases or embeddings (tied heads count as embeddings)."""
-    embedding_ids = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.Embedding)}
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 and id(p) not in embedding_ids else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
-    from trainer.compile.optimizer import build_optimizer
-
-    o = cfg.optim
-    return build_optimizer(
-        param_groups(model, o.weight_decay),
-        name=o.name,
-        impl=o.impl,
-        lr=o.lr,
-        betas=tuple(o.betas),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        momentum=o.momentum,
-        max_grad_norm=o.grad_clip,
-        device=device,
-    )
-
-
 def _dcp_writer(model: nn.Module, opt):
     def write(path: Path) -> None:
         from trainer.distributed.fsdp import save_dcp
@@ -526,20 +427,6 @@ def _all_finite(loss: torch.Tensor, grad_norm, env) -> bool:
     if grad_norm is not None:
         ok = ok & torch.isfinite(torch.as_tensor(grad_norm, device=loss.device)).all()
     return not dist_env.any_rank(not bool(ok), env)
-
-
-def _fused_loss(cfg: Config, device: torch.device) -> bool:
-    """``model.fused_loss``, with null resolved: on for the built-in GPT under compiled autograd on a GPU.
-
-    Why: AOTAutograd lets Inductor write the logits' gradient into the saved logits buffer ("donated
-    buffers"), but only in its own backward graphs; compiled autograd's graph is compiled as an inference
-    graph, so it allocates a second (tokens x vocab) buffer: +1.5 GB for gpt2-small. The fused loss has
-    no logits buffer at all; measured on an H100: compiled autograd 452K tok/s at 8.0 GB with it, the
-    same as without compiled autograd (452K, 8.1 GB), against 10.6 GB without the fused loss.
-    """
-    if cfg.model.fused_loss is not None:
-        return cfg.model.fused_loss
-    return cfg.compile.autograd and cfg.model.target is None and device.type == "cuda"
 
 
 def _backward_context(cfg: Config):
@@ -618,26 +505,6 @@ def _finish_watch(watcher, env, run_dir: Path) -> None:
     watcher.stop()
     if env.is_main:
         watcher.write(run_dir / "compile_report.json")
-
-
-def _uncompiled(model: nn.Module) -> nn.Module:
-    """Undo per-block compilation: ``nn.Module.compile`` on submodules and a compiled ``head_loss``."""
-    for mod in model.modules():
-        if getattr(mod, "_compiled_call_impl", None) is not None:
-            mod._compiled_call_impl = None
-        mod.__dict__.pop("forward", None)  # a compiled forward set as an instance attribute (fsdp)
-    model.__dict__.pop("head_loss", None)  # the instance attribute apply_compile set; the method shows again
-    return model
-
-
-def _amp_dtype(precision: str, device: torch.device):
-    if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
-def _precision_name(dtype) -> str:
-    return {None: "fp32", torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + grad scaler"}[dtype]
 
 
 def _seed_everything(seed: int) -> None:

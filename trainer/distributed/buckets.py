@@ -68,7 +68,7 @@ class BucketPlan:
 
     def describe(self, pieces: dict[int, int] | None = None) -> str:
         """A table: bucket -> units -> parameters -> bytes (-> graph piece when ``pieces`` is given)."""
-        head = f"bucket plan: {len(self.buckets)} buckets, cap {self.cap_bytes / MiB:g} MiB, "
+        head = f"bucket plan: {len(self.buckets)} buckets, cap {self.cap_bytes / MiB:.3g} MiB, "
         head += f"{self.nbytes / MiB:.1f} MiB of gradients, reduced in this order (first ready first)"
         lines = [head]
         for b in self.buckets:

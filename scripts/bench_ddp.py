@@ -1,0 +1,278 @@
+"""Data-parallel benchmark: tokens/s per GPU and scaling efficiency, torch's ways against ours.
+
+    python scripts/bench_ddp.py --worlds 1,2                       # gpt2-small, B=16 per GPU, T=1024, bf16
+    python scripts/bench_ddp.py --worlds 1,2,4 --preset gpt2-medium
+    python scripts/bench_ddp.py --worlds 2 --variants ours-ddp --steps 5   # a quick check
+
+Every (variant, world) runs under ``torch.distributed.run`` in fresh processes. Variants:
+
+- ``eager-ddp``: torch DDP (25 MB buckets), eager.
+- ``ddpoptimizer``: ``model.compile()`` then torch DDP: Dynamo's DDPOptimizer splits the graph at
+  its own byte-counted buckets (torch's default for compiled DDP).
+- ``nosplit``: the same with ``torch._dynamo.config.optimize_ddp = False`` (one graph; all
+  all-reduces after the whole backward).
+- ``fsdp-eager``: FSDP2 ``fully_shard`` per block and root, bf16 parameters, fp32 reduction, eager.
+- ``ours-ddp`` / ``ours-ddp-ca`` / ``ours-fsdp``: ``trainer fit`` with strategy ddp (compiled,
+  graph split at our bucket plan), the same with compiled autograd, and fsdp (compiled blocks).
+
+The baselines are loops a user writes: bf16 autocast, fused AdamW, ``clip_grad_norm_`` (1.0), the
+same batches. They are timed over the whole window of timed steps with one synchronisation at each
+end (no per-step sync, which would cost them a few percent). Ours reports the Trainer's median step
+time. At world 1 every variant runs its own code path in one process (torch DDP and FSDP wrap a
+world of one; the Trainer runs without a wrapper, as for any single-GPU run).
+
+``--parallel N`` runs N (variant, world) jobs at once on disjoint GPUs of the machine (world x N
+<= GPUs): NVLink pairs do not share links on an NVSwitch machine, but say so when you report it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SPEC_PEAK = 989e12  # H100/H200 SXM dense bf16
+VARIANTS = {
+    "eager-ddp": {"kind": "user", "wrap": "ddp", "compile": False},
+    "ddpoptimizer": {"kind": "user", "wrap": "ddp", "compile": True},
+    "nosplit": {"kind": "user", "wrap": "ddp", "compile": True, "optimize_ddp": False},
+    "fsdp-eager": {"kind": "user", "wrap": "fsdp", "compile": False},
+    "ours-ddp": {"kind": "ours", "overrides": ["distributed.strategy=ddp", "compile.enabled=true"]},
+    "ours-ddp-ca": {"kind": "ours",
+                    "overrides": ["distributed.strategy=ddp", "compile.enabled=true", "compile.autograd=true"]},
+    "ours-fsdp": {"kind": "ours", "overrides": ["distributed.strategy=fsdp", "compile.enabled=true"]},
+}  # fmt: skip
+
+
+def run_user(a, spec: dict) -> dict:
+    """A hand-written data-parallel loop around torch DDP or FSDP2."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.build import param_groups
+    from trainer.data import Batches, load_corpus
+    from trainer.models import build_model
+
+    world, rank, local = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    cuda = a.device == "cuda"
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if spec.get("optimize_ddp") is False:
+        torch._dynamo.config.optimize_ddp = False
+    torch.manual_seed(0)
+    corpus = load_corpus(None, a.vocab, 0.05, a.seq)
+    batches = Batches(corpus, seq_len=a.seq, micro_batch_size=a.batch, grad_accum=1, rank=rank, world_size=world,
+                      seed=0, device=dev)  # fmt: skip
+    model = build_model(preset=a.preset, vocab_size=a.vocab, seq_len=a.seq, **_shape(a)).to(dev)
+    if spec["wrap"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if spec["compile"]:
+            model.compile()  # then DDP: no graph breaks in DDP.forward (PYTORCH_NOTES)
+        step_model = DDP(model, device_ids=[local] if cuda else None, bucket_cap_mb=a.bucket_mb)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
+        for block in model.transformer.h:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        step_model = model
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=cuda)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda)
+
+    def step(i: int):
+        x, y = batches.train_batch(i, 0)
+        with autocast:
+            loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    for i in range(a.warmup):
+        loss = step(i)
+    float(loss.detach().float().mean())
+    sync()
+    first = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(a.warmup, a.warmup + a.steps):
+        loss = step(i)
+    sync()
+    per_step = (time.perf_counter() - t0) / a.steps
+    out = {
+        "tokens_per_s_per_gpu": a.batch * a.seq / per_step,
+        "step_ms": per_step * 1e3,
+        "warmup_s": first,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+        "final_loss": float(loss.detach().float().mean()),
+    }
+    dist.destroy_process_group()
+    return out
+
+
+def run_ours(a, overrides: list[str]) -> dict:
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    run_dir = tempfile.mkdtemp(prefix="bench_ddp_")
+    common = [
+        f"model.preset={a.preset}", f"train.micro_batch_size={a.batch}", f"data.seq_len={a.seq}",
+        f"data.vocab_size={a.vocab}", f"train.steps={a.warmup + a.steps}", "train.eval_every=0",
+        "train.eval_batches=1", "checkpoint.enabled=false", "log.progress=false", f"log.every={a.warmup + a.steps}",
+        f"distributed.bucket_mb={a.bucket_mb}", f"train.device={a.device}", f"run.dir={run_dir}",
+        f"compile.cache_dir={os.environ.get('TORCHINDUCTOR_CACHE_DIR', run_dir)}",
+        *(["train.precision=bf16"] if a.device == "cuda" else []), *[f"model.{k}={v}" for k, v in _shape(a).items()],
+    ]  # fmt: skip
+    cfg = load_config(ROOT / "configs/gpt2-small.yaml", [*common, *overrides, *a.extra])
+    s = Trainer(cfg).fit()
+    return {
+        "tokens_per_s_per_gpu": a.batch * a.seq / s["median_step_s"],
+        "step_ms": s["median_step_s"] * 1e3,
+        "warmup_s": s["first_step_s"],
+        "peak_mem_gb": s.get("peak_mem_gb"),
+        "final_loss": s["loss"],
+    }
+
+
+def _shape(a) -> dict:
+    return {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd)) if v}
+
+
+def _worker(a) -> None:
+    spec = VARIANTS[a.worker]
+    out = run_user(a, spec) if spec["kind"] == "user" else run_ours(a, spec["overrides"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+def _spawn(a, variant: str, world: int, gpus: list[int] | None, port: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
+           f"--master-port={port}", __file__, "--worker", variant, *_pass_through(a)]  # fmt: skip
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": a.cache_dir, "OMP_NUM_THREADS": "1",
+           "TRITON_CACHE_DIR": os.path.join(a.cache_dir, "triton"), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
+    wall = time.perf_counter() - t0
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        print(f"[{variant} x{world}] failed (exit {r.returncode}):\n{r.stderr[-4000:]}", file=sys.stderr, flush=True)
+        return {"error": r.stderr[-2000:]}
+    out = json.loads(lines[-1][len("RESULT ") :])
+    out["process_wall_s"] = wall
+    return out
+
+
+def _pass_through(a) -> list[str]:
+    args = ["--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
+            "--warmup", str(a.warmup), "--vocab", str(a.vocab), "--device", a.device, "--bucket-mb", str(a.bucket_mb),
+            *[f"--extra={e}" for e in a.extra]]  # fmt: skip
+    for k in ("n_layer", "n_head", "n_embd"):
+        if getattr(a, k):
+            args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    return args
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="gpt2-small")
+    p.add_argument("--n-layer", type=int)
+    p.add_argument("--n-head", type=int)
+    p.add_argument("--n-embd", type=int)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--batch", type=int, default=16, help="sequences per GPU")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile happens in step 1)")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--worlds", default="1,2")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--parallel", type=int, default=1, help="jobs at once on disjoint GPUs")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--extra", action="append", default=[], help="extra trainer overrides for 'ours' variants")
+    p.add_argument("--out", default=str(ROOT / "scripts/results/bench_ddp.json"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", help="compile cache shared by all jobs (default: a new temporary directory)")
+    a = p.parse_args()
+    if a.worker:
+        return _worker(a)
+    a.cache_dir = a.cache_dir or tempfile.mkdtemp(prefix="bench_ddp_cache_")
+
+    import torch
+
+    worlds = [int(w) for w in a.worlds.split(",")]
+    variants = a.variants.split(",")
+    n_gpus = torch.cuda.device_count() if a.device == "cuda" else 0
+    results: dict[str, dict[str, dict]] = {v: {} for v in variants}
+    for world in worlds:
+        jobs = [(v, world) for v in variants]
+        slots = max(1, min(a.parallel, n_gpus // world)) if n_gpus else 1
+        free: queue.Queue[int] = queue.Queue()
+        for slot in range(slots):
+            free.put(slot)
+
+        def run_in_free_slot(v: str, w: int, port: int, free=free) -> dict:
+            slot = free.get()  # a set of GPUs no other job is using
+            try:
+                return _spawn(a, v, w, list(range(slot * w, slot * w + w)) if n_gpus else None, port)
+            finally:
+                free.put(slot)
+
+        with ThreadPoolExecutor(slots) as pool:
+            futures = [(v, pool.submit(run_in_free_slot, v, w, 29500 + i)) for i, (v, w) in enumerate(jobs)]
+            for v, f in futures:
+                results[v][str(world)] = f.result()
+                print(f"{v} x{world}: {results[v][str(world)]}", flush=True)
+    doc = {
+        "gpu": torch.cuda.get_device_name() if n_gpus else "cpu",
+        "gpus": n_gpus,
+        "torch": torch.__version__,
+        "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                  cwd=ROOT).stdout.strip(),
+        "preset": a.preset, "batch_per_gpu": a.batch, "seq_len": a.seq, "bucket_mb": a.bucket_mb,
+        "steps": a.steps, "warmup": a.warmup, "parallel": a.parallel, "results": results,
+    }  # fmt: skip
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    print(table(doc))
+
+
+def table(doc: dict) -> str:
+    worlds = sorted({int(w) for r in doc["results"].values() for w in r})
+    head = f"{doc['gpu']} x{doc['gpus']}, torch {doc['torch']}, {doc['preset']} B={doc['batch_per_gpu']}/GPU "
+    head += f"T={doc['seq_len']} bf16, {doc['bucket_mb']:g} MB buckets; git {doc['git_sha'] or '-'}"
+    cols = " | ".join(f"world {w} tok/s/GPU" for w in worlds)
+    eff = " | ".join(f"scaling x{w}" for w in worlds if w > 1)
+    lines = [head, f"| variant | {cols} | {eff} | peak mem GB (largest world) |",
+             "|---" * (2 + len(worlds) + len([w for w in worlds if w > 1])) + "|"]  # fmt: skip
+    for v, r in doc["results"].items():
+        tps = {w: r.get(str(w), {}).get("tokens_per_s_per_gpu") for w in worlds}
+        cells = [f"{tps[w] / 1e3:.0f}K" if tps[w] else "failed" for w in worlds]
+        effs = [f"{tps[w] / tps[1] * 100:.1f}%" if tps.get(1) and tps[w] else "-" for w in worlds if w > 1]
+        mem = r.get(str(worlds[-1]), {}).get("peak_mem_gb")
+        lines.append(f"| {v} | {' | '.join(cells)} | {' | '.join(effs)} | {f'{mem:.1f}' if mem else '-'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
