@@ -158,7 +158,16 @@ def _shape(a) -> dict:
 
 def _worker(a) -> None:
     spec = VARIANTS[a.worker]
-    out = run_user(a, spec) if spec["kind"] == "user" else run_ours(a, spec["overrides"])
+    trace_dir = os.environ.get("BENCH_TRACE")  # rank 0's GPU timeline (kernels only), for scripts/trace_gaps.py
+    if trace_dir and int(os.environ.get("RANK", "0")) == 0:
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = run_user(a, spec) if spec["kind"] == "user" else run_ours(a, spec["overrides"])
+        world = os.environ["WORLD_SIZE"]
+        prof.export_chrome_trace(os.path.join(trace_dir, f"{a.worker}_w{world}.json.gz"))
+    else:
+        out = run_user(a, spec) if spec["kind"] == "user" else run_ours(a, spec["overrides"])
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(out), flush=True)
 

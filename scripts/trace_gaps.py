@@ -1,0 +1,88 @@
+"""Where a data-parallel step's time goes, from a GPU timeline (``BENCH_TRACE=dir python scripts/bench_ddp.py``).
+
+    python scripts/trace_gaps.py results/ours-ddp_w2.json.gz [more traces ...]
+
+Steps are delimited by the optimizer kernel (the last kernel whose name matches ``--step-kernel``);
+over the last ``--steps`` steps it prints: step time, time the compute streams are busy, NCCL
+kernel time, NCCL time not overlapped with compute, compute-idle time (nothing running: the host or
+an exposed wait) and the largest kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(x, y) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, b - a)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def analyse(path: str, steps: int, step_kernel: str) -> str:
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    kernels.sort(key=lambda e: e["ts"])
+    marks = [e["ts"] + e["dur"] for e in kernels if re.search(step_kernel, e["name"], re.I)]
+    # One step may launch several optimizer kernels: keep the last of each cluster (gap > 1 ms).
+    ends = [t for i, t in enumerate(marks) if i + 1 == len(marks) or marks[i + 1] - t > 1000]
+    if len(ends) < steps + 1:
+        return f"{path}: only {len(ends)} step boundaries found (kernel /{step_kernel}/)"
+    lo, hi = ends[-steps - 1], ends[-1]
+    window = [e for e in kernels if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
+    nccl = _union([(e["ts"], e["ts"] + e["dur"]) for e in window if "nccl" in e["name"].lower()])
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in window if "nccl" not in e["name"].lower()])
+    total = hi - lo
+    by_name: dict[str, float] = defaultdict(float)
+    for e in window:
+        by_name[e["name"][:90]] += e["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    per = 1e3 * steps  # us -> ms per step
+    lines = [
+        f"{path}: last {steps} steps",
+        f"  step {total / per:.2f} ms | compute busy {_length(compute) / per:.2f} ms | compute idle "
+        f"{(total - _length(compute)) / per:.2f} ms | nccl {_length(nccl) / per:.2f} ms, of it not under compute "
+        f"{(_length(nccl) - _intersect(nccl, compute)) / per:.2f} ms | kernels/step {len(window) / steps:.0f}",
+    ]
+    lines += [f"    {t / per:7.3f} ms  {n}" for n, t in top]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--step-kernel", default="adam")
+    a = p.parse_args()
+    for t in a.traces:
+        print(analyse(t, a.steps, a.step_kernel))
+
+
+if __name__ == "__main__":
+    main()
