@@ -137,7 +137,7 @@ def run_ours(a, overrides: list[str]) -> dict:
         f"model.preset={a.preset}", f"train.micro_batch_size={a.batch}", f"data.seq_len={a.seq}",
         f"data.vocab_size={a.vocab}", f"train.steps={a.warmup + a.steps}", "train.eval_every=0",
         "train.eval_batches=1", "checkpoint.enabled=false", "log.progress=false", f"log.every={a.warmup + a.steps}",
-        f"distributed.bucket_mb={a.bucket_mb}", f"train.device={a.device}", f"run.dir={run_dir}",
+        f"distributed.bucket_mb={a.ours_bucket_mb}", f"train.device={a.device}", f"run.dir={run_dir}",
         f"compile.cache_dir={os.environ.get('TORCHINDUCTOR_CACHE_DIR', run_dir)}",
         *(["train.precision=bf16"] if a.device == "cuda" else []), *[f"model.{k}={v}" for k, v in _shape(a).items()],
     ]  # fmt: skip
@@ -194,6 +194,7 @@ def _spawn(a, variant: str, world: int, gpus: list[int] | None, port: int) -> di
 def _pass_through(a) -> list[str]:
     args = ["--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
             "--warmup", str(a.warmup), "--vocab", str(a.vocab), "--device", a.device, "--bucket-mb", str(a.bucket_mb),
+            "--ours-bucket-mb", str(a.ours_bucket_mb),
             *[f"--extra={e}" for e in a.extra]]  # fmt: skip
     for k in ("n_layer", "n_head", "n_embd"):
         if getattr(a, k):
@@ -212,7 +213,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile happens in step 1)")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="torch DDP's bucket_cap_mb (baselines)")
+    p.add_argument("--ours-bucket-mb", type=float, default=100.0, help="distributed.bucket_mb for ours")
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
