@@ -180,8 +180,9 @@ class DistributedConfig:
     """Data parallelism: none, ddp (replicated, bucketed all-reduce) or fsdp (FSDP2 sharding)."""
     backend: str = _f("auto", choices=["auto", "nccl", "gloo"])
     """Process-group backend: auto = nccl on CUDA, gloo on CPU."""
-    bucket_mb: float = _f(25.0, gt=0.0)
-    """Gradient bucket size cap in MiB (whole blocks per bucket up to this size)."""
+    bucket_mb: float = _f(100.0, gt=0.0)
+    """Gradient bucket cap in MiB: whole blocks per bucket up to this size; each bucket is one compiled graph
+    piece (fewer, larger pieces: less host overhead; 100 beat 25 on 2 H200s, see scripts/results/bench_ddp*)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
