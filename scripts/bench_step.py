@@ -37,6 +37,7 @@ VARIANTS = {
     "torch.compile": {"kind": "user", "compile": True},
     "ours-model": {"kind": "ours", "overrides": [*_ON, "compile.scope=model"]},
     "ours-model-fused": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "optim.impl=fused"]},
+    "ours-model-graphed": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "compile.cudagraphs=true"]},
     "ours-model-ca": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "compile.autograd=true"]},
     "ours-blocks": {"kind": "ours", "overrides": [*_ON, "compile.scope=blocks"]},
     "ours-blocks-ca": {"kind": "ours", "overrides": [*_ON, "compile.scope=blocks", "compile.autograd=true"]},

@@ -170,6 +170,9 @@ class CompileConfig:
     """Recompiles allowed after warm-up before the run stops with an error."""
     fallback: str = _f("error", choices=["error", "eager"])
     """On a compile failure: stop (error) or log loudly and run eagerly (eager)."""
+    cudagraphs: bool = False
+    """CUDA only: after 3 ordinary steps, capture the whole step (forward, backward, clip, optimizer) as one CUDA
+    graph and replay it; needs static shapes, a torch optimizer (optim.impl auto/fused/foreach), no data parallel."""
     cache_dir: str | None = None
     """Compile cache directory; null = inside the run directory."""
 
@@ -261,6 +264,19 @@ class Config:
                 "parameters into its own flat buffers, and FSDP2 owns the sharded parameter storage; use "
                 "optim.impl=fused (or auto) with fsdp"
             )
+        if self.compile.cudagraphs:
+            c = self.compile
+            bad = [
+                (self.distributed.strategy != "none", "distributed.strategy", "none"),
+                (self.optim.impl not in ("auto", "fused", "foreach"), "optim.impl", "auto, fused or foreach"),
+                (self.train.on_nan == "skip", "train.on_nan", "stop (the update happens inside the graph)"),
+                (self.train.precision == "fp16", "train.precision", "bf16 or fp32 (no grad scaler in the graph)"),
+                (c.autograd, "compile.autograd", "false"),
+                (c.dynamic is True, "compile.dynamic", "false or null (a graph has static shapes)"),
+            ]
+            for is_bad, key, expected in bad:
+                if is_bad:
+                    raise ConfigError(f"compile.cudagraphs: needs {key}={expected}")
         if self.compile.autograd and self.distributed.strategy == "fsdp":
             # Upstream removed FSDP2 + compiled autograd support in 2.13: it runs without error and leaves
             # parameters unsharded and gradients unreduced. Refuse rather than train silently wrong.

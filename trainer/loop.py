@@ -145,6 +145,21 @@ class Trainer:
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # no zeros kernel
             return loss_sum
 
+        graphs = cfg.compile.cudagraphs and device.type == "cuda"
+        graphed = None
+
+        def graph_step(xs: torch.Tensor, ys: torch.Tensor):
+            """The whole step, as captured by :class:`~trainer.compile.graphed.GraphedStep`: no host syncs."""
+            loss_sum = None
+            for micro in range(accum):
+                with autocast:
+                    loss = loss_of(model(xs[micro], ys[micro]))
+                (loss * inv_accum if accum > 1 else loss).backward()
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
+            opt.step()
+            return (loss_sum / accum if accum > 1 else loss_sum), norm
+
         watcher = _maybe_watch(compiling, cfg, metrics)
         clips_itself = getattr(opt, "clips_grad_norm", False)
         speed = StepTimer()
@@ -194,44 +209,55 @@ class Trainer:
         model.train()
         try:
             while step < cfg.train.steps:
-                try:
-                    loss_sum = forward_backward(step)
-                except Exception as e:
-                    if not _is_compile_failure(e):
-                        raise
-                    if cfg.compile.fallback == "error":
-                        raise TrainingError(
-                            compile_error_hint(e) + "\nSet compile.fallback=eager to run eagerly instead."
-                        ) from e
-                    metrics.print(
-                        f"[bold red]compile failed at step {step + 1}; compile.fallback=eager: running this run "
-                        f"eagerly (forward, backward and compiled autograd).[/bold red]\n{compile_error_hint(e)}"
-                    )
-                    model, _ = build.wrap(build.uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
-                    backward_ctx = contextlib.nullcontext
-                    opt.zero_grad(set_to_none=True)
-                    loss_sum = forward_backward(step)
-                if hasattr(model, "finish_grad_sync"):
-                    model.finish_grad_sync()  # waits for the bucket all-reduces started during the backward
-                if scaler is not None:
-                    scaler.unscale_(opt)
-                grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
-                loss_val = loss_sum / accum if accum > 1 else loss_sum
-                read = _copy_to_host(loss_val, grad_norm)  # started now, read one step later
-                if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):  # syncs every step
-                    opt.zero_grad(set_to_none=True)
-                    metrics.print(f"[yellow]step {step + 1}: non-finite loss or gradient norm; update skipped[/yellow]")
-                    step += 1
-                    sched.step()
-                    continue
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
+                if graphs and graphed is None and step - start_step == GRAPH_AFTER_STEPS:
+                    from trainer.compile.graphed import GraphedStep
+
+                    graphed = GraphedStep(graph_step, opt, raw_model.parameters(), *_stacked(batches, step, accum))
+                    metrics.print(f"step {step + 1}: the whole step captured as one CUDA graph, replayed from now on")
+                if graphed is not None:
+                    loss_val, grad_norm = graphed(*_stacked(batches, step, accum))
+                    read = _copy_to_host(loss_val, grad_norm)
+                    lr = sched.get_last_lr()[0]
+                    sched.step()  # writes the next lr into the optimizer's lr tensor, which the graph reads
                 else:
-                    opt.step()
-                lr = opt.param_groups[0]["lr"]
-                sched.step()
-                opt.zero_grad(set_to_none=True)
+                    try:
+                        loss_sum = forward_backward(step)
+                    except Exception as e:
+                        if not _is_compile_failure(e):
+                            raise
+                        if cfg.compile.fallback == "error":
+                            raise TrainingError(
+                                compile_error_hint(e) + "\nSet compile.fallback=eager to run eagerly instead."
+                            ) from e
+                        metrics.print(
+                            f"[bold red]compile failed at step {step + 1}; compile.fallback=eager: running this run "
+                            f"eagerly (forward, backward and compiled autograd).[/bold red]\n{compile_error_hint(e)}"
+                        )
+                        model, _ = build.wrap(build.uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
+                        backward_ctx = contextlib.nullcontext
+                        opt.zero_grad(set_to_none=True)
+                        loss_sum = forward_backward(step)
+                    if hasattr(model, "finish_grad_sync"):
+                        model.finish_grad_sync()  # waits for the bucket all-reduces started during the backward
+                    if scaler is not None:
+                        scaler.unscale_(opt)
+                    grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
+                    loss_val = loss_sum / accum if accum > 1 else loss_sum
+                    read = _copy_to_host(loss_val, grad_norm)  # started now, read one step later
+                    if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):  # syncs every step
+                        opt.zero_grad(set_to_none=True)
+                        metrics.print(f"[yellow]step {step + 1}: non-finite loss or grad norm; update skipped[/yellow]")
+                        step += 1
+                        sched.step()
+                        continue
+                    if scaler is not None:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
+                    lr = opt.param_groups[0]["lr"]
+                    sched.step()
+                    opt.zero_grad(set_to_none=True)
                 step += 1
                 tokens_seen += tokens_per_step
                 if pending is not None:
@@ -307,7 +333,9 @@ class Trainer:
         sharded = env.distributed and self.cfg.distributed.strategy == "fsdp"
         optim_state = {"scheduler": sched.state_dict()}
         if not sharded:
-            optim_state["optimizer"] = opt.state_dict()
+            from trainer.compile.graphed import plain_lrs
+
+            optim_state["optimizer"] = plain_lrs(opt.state_dict())  # a graphed step keeps lr in a tensor
         if scaler is not None:
             optim_state["scaler"] = scaler.state_dict()
         meta = {
@@ -401,6 +429,16 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------------------------
+# Ordinary (compiled) steps before the capture: every kernel compiled and run once, allocator warm.
+GRAPH_AFTER_STEPS = 3
+
+
+def _stacked(batches: Batches, step: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All micro-batches of a step as ``(accum, micro_batch, seq_len)`` tensors (the graphed step's input)."""
+    pairs = [batches.train_batch(step, micro) for micro in range(accum)]
+    return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+
 def _dcp_writer(model: nn.Module, opt):
     def write(path: Path) -> None:
         from trainer.distributed.fsdp import save_dcp

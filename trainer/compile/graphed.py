@@ -1,0 +1,85 @@
+"""The graphed step: forward, backward, clipping and the optimizer step captured once as one CUDA graph.
+
+After a few ordinary (compiled) steps have run every kernel once, :class:`GraphedStep` captures a
+whole optimizer step — every micro-batch's forward and backward, ``clip_grad_norm_`` and
+``optimizer.step()`` — into one ``torch.cuda.CUDAGraph``, reading its batch from static input
+buffers. Each later step copies its batch into those buffers and replays the graph: one launch
+instead of hundreds, and no Python between kernels.
+
+What makes the replay equal to the ungraphed step:
+
+- The optimizer runs with ``capturable=True`` and its learning rate in a device tensor, so the
+  schedule's new value each step (``LRScheduler`` writes a tensor ``lr`` with ``fill_``) is read by
+  the replayed kernels; the step counter lives on the device as well.
+- Gradients are allocated inside the capture (they are None before it) from the graph's memory
+  pool and rewritten by every replay; nothing may set them to None afterwards.
+- Loss and gradient norm are static output tensors, valid after each replay until the next one.
+- The CUDA RNG is graph-safe (torch registers the default generator with the capture), so dropout
+  draws fresh numbers on each replay.
+
+Not supported (refused by the config): fp16 with a grad scaler (its skip-step logic reads the host),
+``train.on_nan=skip`` (the step is inside the graph), data parallel (collectives in the graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def make_capturable(opt: torch.optim.Optimizer) -> None:
+    """Switch a torch optimizer to ``capturable=True`` with a device-tensor ``lr`` (before the first capture)."""
+    device = next(p.device for g in opt.param_groups for p in g["params"])
+    for group in opt.param_groups:
+        if "capturable" not in group:
+            raise ValueError(f"compile.cudagraphs: {type(opt).__name__} has no capturable mode")
+        group["capturable"] = True
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+    for state in opt.state.values():  # steps taken so far: their counters move to the device
+        if "step" in state and state["step"].device != device:
+            state["step"] = state["step"].to(device)
+
+
+def plain_lrs(optimizer_state: dict) -> dict:
+    """An optimizer state dict with tensor learning rates as floats (checkpoints readable by any run)."""
+    for group in optimizer_state.get("param_groups", []):
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])
+    return optimizer_state
+
+
+class GraphedStep:
+    """One whole training step as a CUDA graph (see the module docstring).
+
+    Args:
+        step_fn: ``step_fn(xs, ys) -> (loss, grad_norm)``: runs every micro-batch's forward and
+            backward (``xs[i]``, ``ys[i]``), clips and steps the optimizer. It must not synchronise
+            with the host.
+        opt: the optimizer ``step_fn`` steps (made capturable here).
+        xs, ys: the first batch to run, ``(grad_accum, micro_batch, seq_len)``; their shapes and
+            dtypes are the static buffers'.
+    """
+
+    def __init__(self, step_fn: Callable, opt: torch.optim.Optimizer, params, xs: torch.Tensor, ys: torch.Tensor):
+        make_capturable(opt)
+        self.xs, self.ys = xs.clone(), ys.clone()
+        for p in params:
+            p.grad = None  # allocated by the captured backward, in the graph's pool
+        self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph):
+            self.loss, self.grad_norm = step_fn(self.xs, self.ys)
+        self.replays = 0
+
+    def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step on this batch; returns the static (loss, grad norm) tensors of this replay."""
+        if xs.shape != self.xs.shape or ys.shape != self.ys.shape:
+            got, captured = tuple(xs.shape), tuple(self.xs.shape)
+            raise ValueError(f"graphed step: batch shape {got} differs from the captured {captured}")
+        self.xs.copy_(xs, non_blocking=True)
+        self.ys.copy_(ys, non_blocking=True)
+        self.graph.replay()
+        self.replays += 1
+        return self.loss, self.grad_norm
