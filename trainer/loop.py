@@ -217,7 +217,7 @@ class Trainer:
                 if graphed is not None:
                     loss_val, grad_norm = graphed(*_stacked(batches, step, accum))
                     read = _copy_to_host(loss_val, grad_norm)
-                    lr = sched.get_last_lr()[0]
+                    lr = sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)  # a float: no read of the tensor
                     sched.step()  # writes the next lr into the optimizer's lr tensor, which the graph reads
                 else:
                     try:
