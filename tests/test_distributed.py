@@ -183,3 +183,17 @@ def test_two_gpus_reproduce_one_gpu(variant, tmp_path):
     for step in a:
         # TF32 matmuls and another summation order: tolerance 1e-3 (relative to losses ~5).
         assert abs(a[step] - b[step]) < 1e-3, (step, a[step], b[step])
+
+
+def test_accelerate_launch_works_like_torchrun(one_process, tmp_path):
+    """`accelerate launch --multi_gpu` sets torchrun's environment: 2 gloo ranks on the CPU, same losses."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "trainer", "fit",
+           "configs/tiny.yaml", *COMMON, "train.micro_batch_size=4", "distributed.strategy=ddp",
+           f"run.dir={tmp_path}"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _losses(one_process), _losses(tmp_path)
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])

@@ -1,0 +1,76 @@
+"""The bucket plan (trainer/distributed/buckets.py) and `trainer explain`'s view of it."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.conftest import run_cli
+from trainer.distributed.buckets import MiB, plan_buckets
+from trainer.models import build_model
+
+
+def _gpt(n_layer=4):
+    return build_model(preset="tiny", vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, n_embd=32, dropout=0.0,
+                       bias=True, fused_loss=False, target=None, kwargs={})  # fmt: skip
+
+
+def test_whole_blocks_packed_up_to_the_cap_in_ready_order():
+    model = _gpt(4)
+    block = sum(p.numel() * 4 for p in model.transformer.h[0].parameters())
+    plan = plan_buckets(model, bucket_mb=2 * block / MiB)  # two blocks, not two blocks and the head
+    units = [b.units for b in plan.buckets]
+    # The head (tiny) and the embeddings (64 x 32 + 16 x 32 floats) are small next to a block.
+    assert units == [("head", "transformer.h.3"), ("transformer.h.2", "transformer.h.1"), ("transformer.h.0",
+                     "embeddings")]  # fmt: skip
+    # Every trainable parameter exactly once; no block split across buckets; nothing over the cap but whole units.
+    names = [n for b in plan.buckets for n in b.names]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    for b in plan.buckets:
+        blocks = {n.split(".")[2] for n in b.names if n.startswith("transformer.h.")}
+        for i in blocks:
+            assert all(n in b.names for n, _ in model.named_parameters() if n.startswith(f"transformer.h.{i}."))
+        assert b.nbytes <= plan.cap_bytes or len(b.units) == 1
+
+
+def test_a_unit_larger_than_the_cap_is_a_bucket_of_its_own():
+    plan = plan_buckets(_gpt(3), bucket_mb=0.001)
+    assert [b.units for b in plan.buckets] == [("head",), ("transformer.h.2",), ("transformer.h.1",),
+                                               ("transformer.h.0",), ("embeddings",)]  # fmt: skip
+    assert plan.bucket_of()[id(_first(plan, "transformer.wte.weight"))] == len(plan.buckets) - 1  # tied: last
+
+
+def _first(plan, name):
+    for b in plan.buckets:
+        for n, p in zip(b.names, b.params):
+            if n == name:
+                return p
+    raise KeyError(name)
+
+
+def test_model_without_blocks_is_packed_per_parameter_in_reverse_order():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    plan = plan_buckets(model, bucket_mb=1)
+    assert plan.blocks is None
+    assert plan.buckets[0].names == ("2.bias", "2.weight", "0.bias", "0.weight")
+
+
+def test_one_dtype_per_bucket():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16))
+    plan = plan_buckets(model, bucket_mb=1)
+    assert [b.dtype for b in plan.buckets] == [torch.bfloat16, torch.float32]
+
+
+def test_bad_cap_is_refused():
+    with pytest.raises(ValueError, match="bucket_mb"):
+        plan_buckets(_gpt(1), bucket_mb=0)
+
+
+def test_explain_prints_plan_and_graph_pieces(tmp_path):
+    r = run_cli("explain", "configs/tiny.yaml", "compile.backend=aot_eager", "distributed.strategy=ddp",
+                "distributed.bucket_mb=0.1", "model.n_embd=64", "data.seq_len=32", "--steps", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "bucket plan: 6 buckets" in out
+    assert "bucket  5 | embeddings" in out and "graph piece 0" in out
+    assert "forward graph split into 6 pieces (one per bucket)" in out
+    assert "bucket  5: transformer.wpe.weight, transformer.wte.weight" in out
