@@ -261,6 +261,7 @@ def main() -> None:
         "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                   cwd=ROOT).stdout.strip(),
         "preset": a.preset, "batch_per_gpu": a.batch, "seq_len": a.seq, "bucket_mb": a.bucket_mb,
+        "ours_bucket_mb": a.ours_bucket_mb,
         "steps": a.steps, "warmup": a.warmup, "parallel": a.parallel, "results": results,
     }  # fmt: skip
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -271,7 +272,8 @@ def main() -> None:
 def table(doc: dict) -> str:
     worlds = sorted({int(w) for r in doc["results"].values() for w in r})
     head = f"{doc['gpu']} x{doc['gpus']}, torch {doc['torch']}, {doc['preset']} B={doc['batch_per_gpu']}/GPU "
-    head += f"T={doc['seq_len']} bf16, {doc['bucket_mb']:g} MB buckets; git {doc['git_sha'] or '-'}"
+    ours = f", ours {doc['ours_bucket_mb']:g}" if "ours_bucket_mb" in doc else ""
+    head += f"T={doc['seq_len']} bf16, buckets: torch {doc['bucket_mb']:g} MB{ours}; git {doc['git_sha'] or '-'}"
     cols = " | ".join(f"world {w} tok/s/GPU" for w in worlds)
     eff = " | ".join(f"scaling x{w}" for w in worlds if w > 1)
     lines = [head, f"| variant | {cols} | {eff} | peak mem GB (largest world) |",

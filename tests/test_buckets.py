@@ -74,3 +74,27 @@ def test_explain_prints_plan_and_graph_pieces(tmp_path):
     assert "bucket  5 | embeddings" in out and "graph piece 0" in out
     assert "forward graph split into 6 pieces (one per bucket)" in out
     assert "bucket  5: transformer.wpe.weight, transformer.wte.weight" in out
+
+
+def test_rewrapping_removes_the_old_hooks(monkeypatch):
+    """After a compile failure the loop wraps the same parameters again: one reduction per bucket, not two."""
+    import torch.distributed as dist
+
+    from trainer.distributed.ddp import DataParallel
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29651")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        plan = plan_buckets(model, bucket_mb=1)
+        first = DataParallel(model, plan)
+        first.remove_hooks()
+        second = DataParallel(model, plan)
+        model(torch.randn(3, 4)).sum().backward()
+        assert first._reduced == [None] and second._reduced[0] is not None
+        second.finish_grad_sync()
+        flat = second.plan.buckets[0]
+        assert all(p.grad is not None for p in flat.params)
+    finally:
+        dist.destroy_process_group()

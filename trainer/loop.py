@@ -233,6 +233,8 @@ class Trainer:
                             f"[bold red]compile failed at step {step + 1}; compile.fallback=eager: running this run "
                             f"eagerly (forward, backward and compiled autograd).[/bold red]\n{compile_error_hint(e)}"
                         )
+                        if hasattr(model, "remove_hooks"):
+                            model.remove_hooks()  # the new wrapper registers its own on the same parameters
                         model, _ = build.wrap(build.uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
                         backward_ctx = contextlib.nullcontext
                         opt.zero_grad(set_to_none=True)
@@ -246,7 +248,8 @@ class Trainer:
                     read = _copy_to_host(loss_val, grad_norm)  # started now, read one step later
                     if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):  # syncs every step
                         opt.zero_grad(set_to_none=True)
-                        metrics.print(f"[yellow]step {step + 1}: non-finite loss or grad norm; update skipped[/yellow]")
+                        skipped = "non-finite loss or gradient norm; update skipped"
+                        metrics.print(f"[yellow]step {step + 1}: {skipped}[/yellow]")
                         step += 1
                         sched.step()
                         continue

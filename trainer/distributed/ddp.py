@@ -71,9 +71,15 @@ class DataParallel(nn.Module):
             with torch.no_grad():
                 for t in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(t, src=dist.get_global_rank(self._group, 0), group=self._group)
-        for b in plan.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._make_hook(b.index))
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(b.index)) for b in plan.buckets for p in b.params
+        ]
+
+    def remove_hooks(self) -> None:
+        """Unregister the gradient hooks (before wrapping the same parameters again, e.g. after a compile failure)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
