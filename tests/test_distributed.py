@@ -59,6 +59,7 @@ VARIANTS = {
                               "compile.autograd=true", "distributed.bucket_mb=0.01", "train.grad_accum=2",
                               "train.micro_batch_size=2"],
     "fsdp": ["distributed.strategy=fsdp"],
+    "fsdp-accum": ["distributed.strategy=fsdp", "train.micro_batch_size=2", "train.grad_accum=2"],
     "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true", "compile.backend=aot_eager"],
 }  # fmt: skip
 

@@ -20,6 +20,8 @@ def _losses(run_dir):
         ("train.on_nan=skip", "train.on_nan"),
         ("train.precision=fp16", "train.precision"),
         ("compile.autograd=true", "compile.autograd"),
+        ("compile.mode=reduce-overhead", "compile.mode"),
+        ("optim.name=sgd", "optim.name"),
     ],
 )
 def test_cudagraphs_refuses_what_it_cannot_capture(override, key, tmp_path):

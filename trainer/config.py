@@ -273,6 +273,12 @@ class Config:
                 (self.train.precision == "fp16", "train.precision", "bf16 or fp32 (no grad scaler in the graph)"),
                 (c.autograd, "compile.autograd", "false"),
                 (c.dynamic is True, "compile.dynamic", "false or null (a graph has static shapes)"),
+                (
+                    c.mode in ("reduce-overhead", "max-autotune"),
+                    "compile.mode",
+                    "default or max-autotune-no-cudagraphs (Inductor's own CUDA graphs cannot nest in ours)",
+                ),
+                (self.optim.name == "sgd", "optim.name", "adamw or adam (torch's SGD has no capturable mode)"),
             ]
             for is_bad, key, expected in bad:
                 if is_bad:

@@ -318,6 +318,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def _maybe_no_sync(model: nn.Module, skip_reduction: bool):
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: no reduce-scatter until the last micro-batch
+            model.set_requires_gradient_sync(not skip_reduction)
+            return contextlib.nullcontext()
         no_sync = getattr(model, "no_sync", None)
         return no_sync() if (skip_reduction and no_sync is not None) else contextlib.nullcontext()
 

@@ -43,10 +43,11 @@ def make_capturable(opt: torch.optim.Optimizer) -> None:
 
 
 def plain_lrs(optimizer_state: dict) -> dict:
-    """An optimizer state dict with tensor learning rates as floats (checkpoints readable by any run)."""
+    """An optimizer state dict as an ungraphed run keeps it: float lr, not capturable (readable by any run)."""
     for group in optimizer_state.get("param_groups", []):
         if isinstance(group.get("lr"), torch.Tensor):
             group["lr"] = float(group["lr"])
+            group["capturable"] = False
     return optimizer_state
 
 

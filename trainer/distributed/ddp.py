@@ -66,6 +66,7 @@ class DataParallel(nn.Module):
         self._counts = [len(b.params) for b in plan.buckets]
         self._ready = [0] * n
         self._reduced: list[torch.Tensor | None] = [None] * n
+        self._next = [0]  # the next bucket to start: collectives start in plan order on every rank
         self._warned_late: set[int] = set()
         if broadcast:
             with torch.no_grad():
@@ -98,8 +99,11 @@ class DataParallel(nn.Module):
             if not self._sync:
                 return
             self._ready[b] += 1
-            if self._ready[b] == self._counts[b]:
-                self._launch(b)
+            # Start this bucket and any complete ones after it, strictly in plan order: NCCL pairs the
+            # ranks' collectives by order, so no rank may start bucket k+1 before bucket k.
+            while self._next[0] < len(self._counts) and self._ready[self._next[0]] == self._counts[self._next[0]]:
+                self._launch(self._next[0])
+                self._next[0] += 1
 
         return hook
 
@@ -121,9 +125,8 @@ class DataParallel(nn.Module):
         """
         if not self._sync:
             return
-        for bucket in self.plan.buckets:
-            if self._reduced[bucket.index] is None:
-                self._late(bucket)
+        for bucket in self.plan.buckets[self._next[0] :]:  # in plan order, after the ones already started
+            self._late(bucket)
         for bucket in self.plan.buckets:
             flat = self._reduced[bucket.index]
             flat = flat.wait() if hasattr(flat, "wait") else flat  # AsyncCollectiveTensor in eager
@@ -133,6 +136,7 @@ class DataParallel(nn.Module):
                 offset += p.numel()
             self._reduced[bucket.index] = None
             self._ready[bucket.index] = 0
+        self._next[0] = 0
 
     def _late(self, bucket) -> None:
         missing = [n for n, p in zip(bucket.names, bucket.params) if p.grad is None]
