@@ -197,3 +197,15 @@ def test_accelerate_launch_works_like_torchrun(one_process, tmp_path):
     a, b = _losses(one_process), _losses(tmp_path)
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
+def test_explain_under_torchrun_prints_the_plan_once(tmp_path):
+    """Two ranks: the plan comes from the splitter the run used; rank 1 prints nothing and exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
+           "explain", "configs/tiny.yaml", *SHAPE, "compile.backend=aot_eager", "distributed.strategy=ddp",
+           "distributed.bucket_mb=0.01", "--steps", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("bucket plan: 4 buckets") == 1  # head, h.1, h.0, embeddings (2 layers)
+    assert "forward graph split into 4 pieces (one per bucket)" in r.stdout

@@ -147,9 +147,9 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     trainer = Trainer(cfg)
     with dumping as files:
         trainer.fit()
-    report = json.loads((Path(scratch) / "compile_report.json").read_text())
-    if os.environ.get("RANK", "0") != "0":
+    if os.environ.get("RANK", "0") != "0":  # rank 0 alone writes the report (each rank has its own scratch dir)
         return 0
+    report = json.loads((Path(scratch) / "compile_report.json").read_text())
     print(format_text(report))
     if cfg.distributed.strategy == "ddp":
         from trainer.build import ddp_plan_report
