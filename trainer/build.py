@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from trainer.config import Config
+from trainer.distributed.fsdp import is_sharded
 
 
 def lr_lambda(cfg: Config):
@@ -84,6 +85,15 @@ def precision_name(dtype) -> str:
     return {None: "fp32", torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + grad scaler"}[dtype]
 
 
+def splits_at_buckets(c) -> bool:
+    """Whether DDP splits the forward graph at the buckets (``c``: the compile section).
+
+    Only where the model is one graph with one backward graph: per-block graphs already end at whole
+    blocks, and under compiled autograd the backward is one graph whatever the forward's pieces.
+    """
+    return c.enabled and c.scope == "model" and not c.autograd
+
+
 def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple[nn.Module, object | None]:  # noqa: A002
     """Compilation and data-parallel wrapping: ``(the module the loop calls, the DDP graph splitter or None)``."""
     strategy = cfg.distributed.strategy
@@ -100,13 +110,10 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
         from trainer.distributed.buckets import plan_buckets
 
         plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks)
-        # Split the forward graph at the buckets only where it is one graph with one backward graph:
-        # per-block graphs already end at whole blocks, and compiled autograd makes one backward graph.
-        c = cfg.compile
-        if compile and c.enabled and c.scope == "model" and not c.autograd:
-            splitter = ddp.PlanSplitter(plan, ddp.inner_backend(c.backend, c.mode))
-    fsdp = env.distributed and strategy == "fsdp"  # sharded, and its blocks compiled, by _shard already
-    if compile and cfg.compile.enabled and not fsdp:
+        if compile and splits_at_buckets(cfg.compile):
+            splitter = ddp.PlanSplitter(plan, ddp.inner_backend(cfg.compile.backend, cfg.compile.mode))
+    # A sharded model had its blocks compiled by shard(), before fully_shard.
+    if compile and cfg.compile.enabled and not is_sharded(model):
         from trainer.compile.capture import apply_compile
 
         model = apply_compile(model, cfg.compile, say=say, backend=splitter)
@@ -159,9 +166,9 @@ def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
     from trainer.distributed.buckets import plan_buckets
 
     c = cfg.compile
-    plan = plan_buckets(model, cfg.distributed.bucket_mb, c.blocks)
+    plan = splitter.plan if splitter is not None else plan_buckets(model, cfg.distributed.bucket_mb, c.blocks)
     lines = []
-    if c.enabled and c.scope == "model" and not c.autograd:
+    if splits_at_buckets(c):
         if splitter is None:
             splitter = ddp.PlanSplitter(plan, ddp.inner_backend("eager"))
             idx = torch.zeros(1, cfg.data.seq_len, dtype=torch.long, device=next(model.parameters()).device)

@@ -7,6 +7,7 @@ helpers below it each build one piece.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import signal
@@ -21,6 +22,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import Config, to_dict, to_yaml
 from trainer.data import Batches, load_corpus
 from trainer.distributed import env as dist_env
+from trainer.distributed.fsdp import is_sharded
 from trainer.metrics import Metrics, StepTimer, peak_flops
 from trainer.models import build_model, flops_per_token, loss_of
 
@@ -132,33 +134,28 @@ class Trainer:
         # Triton code (seen on an H100). A tensor factor is an ordinary graph input.
         inv_accum = torch.tensor(1.0 / accum, device=device)
 
-        def forward_backward(step: int) -> torch.Tensor:
-            """All micro-steps of one optimizer step; returns the summed (unscaled) loss."""
+        def forward_backward(batch_of) -> torch.Tensor:
+            """All micro-steps of one optimizer step (``batch_of(micro) -> (x, y)``); returns the mean loss."""
             loss_sum = None
             for micro in range(accum):
-                x, y = batches.train_batch(step, micro)
+                x, y = batch_of(micro)
                 with backward_ctx(), self._maybe_no_sync(model, micro < accum - 1):
                     with autocast:
                         loss = loss_of(model(x, y))
                     scaled = loss * inv_accum if accum > 1 else loss
                     (scaler.scale(scaled) if scaler else scaled).backward()
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # no zeros kernel
-            return loss_sum
+            return loss_sum / accum if accum > 1 else loss_sum
 
         graphs = cfg.compile.cudagraphs and device.type == "cuda"
         graphed = None
 
         def graph_step(xs: torch.Tensor, ys: torch.Tensor):
             """The whole step, as captured by :class:`~trainer.compile.graphed.GraphedStep`: no host syncs."""
-            loss_sum = None
-            for micro in range(accum):
-                with autocast:
-                    loss = loss_of(model(xs[micro], ys[micro]))
-                (loss * inv_accum if accum > 1 else loss).backward()
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            loss = forward_backward(lambda micro: (xs[micro], ys[micro]))
             norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
             opt.step()
-            return (loss_sum / accum if accum > 1 else loss_sum), norm
+            return loss, norm
 
         watcher = _maybe_watch(compiling, cfg, metrics)
         clips_itself = getattr(opt, "clips_grad_norm", False)
@@ -209,19 +206,21 @@ class Trainer:
         model.train()
         try:
             while step < cfg.train.steps:
-                if graphs and graphed is None and step - start_step == GRAPH_AFTER_STEPS:
-                    from trainer.compile.graphed import GraphedStep
+                # This step's lr as a float from the schedule (a graphed step keeps the optimizer's in a tensor).
+                lr = sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)
+                if graphs and step - start_step >= GRAPH_AFTER_STEPS:
+                    xs, ys = _stacked(batches, step, accum)
+                    if graphed is None:
+                        from trainer.compile.graphed import GraphedStep
 
-                    graphed = GraphedStep(graph_step, opt, raw_model.parameters(), *_stacked(batches, step, accum))
-                    metrics.print(f"step {step + 1}: the whole step captured as one CUDA graph, replayed from now on")
-                if graphed is not None:
-                    loss_val, grad_norm = graphed(*_stacked(batches, step, accum))
+                        graphed = GraphedStep(graph_step, opt, raw_model.parameters(), xs, ys)
+                        metrics.print(f"step {step + 1}: the whole step captured as one CUDA graph, replayed from here")
+                    loss_val, grad_norm = graphed(xs, ys)
                     read = _copy_to_host(loss_val, grad_norm)
-                    lr = sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)  # a float: no read of the tensor
-                    sched.step()  # writes the next lr into the optimizer's lr tensor, which the graph reads
                 else:
+                    train_batch = functools.partial(batches.train_batch, step)  # (micro) -> (x, y)
                     try:
-                        loss_sum = forward_backward(step)
+                        loss_val = forward_backward(train_batch)
                     except Exception as e:
                         if not _is_compile_failure(e):
                             raise
@@ -238,13 +237,12 @@ class Trainer:
                         model, _ = build.wrap(build.uncompiled(raw_model), cfg, env, say=metrics.print, compile=False)
                         backward_ctx = contextlib.nullcontext
                         opt.zero_grad(set_to_none=True)
-                        loss_sum = forward_backward(step)
+                        loss_val = forward_backward(train_batch)
                     if hasattr(model, "finish_grad_sync"):
                         model.finish_grad_sync()  # waits for the bucket all-reduces started during the backward
                     if scaler is not None:
                         scaler.unscale_(opt)
                     grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
-                    loss_val = loss_sum / accum if accum > 1 else loss_sum
                     read = _copy_to_host(loss_val, grad_norm)  # started now, read one step later
                     if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):  # syncs every step
                         opt.zero_grad(set_to_none=True)
@@ -258,9 +256,8 @@ class Trainer:
                         scaler.update()
                     else:
                         opt.step()
-                    lr = opt.param_groups[0]["lr"]
-                    sched.step()
                     opt.zero_grad(set_to_none=True)
+                sched.step()  # a graphed step reads the new lr from the optimizer's lr tensor, which this fills
                 step += 1
                 tokens_seen += tokens_per_step
                 if pending is not None:
@@ -336,7 +333,7 @@ class Trainer:
         return dist_env.all_reduce_mean(total / self.cfg.train.eval_batches, env).item()
 
     def _save(self, raw_model, opt, sched, scaler, env, run_dir, step, tokens_seen, batches) -> Path:
-        sharded = env.distributed and self.cfg.distributed.strategy == "fsdp"
+        sharded = is_sharded(raw_model)
         optim_state = {"scheduler": sched.state_dict()}
         if not sharded:
             from trainer.compile.graphed import plain_lrs
@@ -375,8 +372,7 @@ class Trainer:
         state = ckpt.load(path, rank=env.rank, device=env.device)
         meta = state["meta"]
         changes = ckpt.compare_configs(meta.get("config", {}), to_dict(self.cfg), path)
-        sharded = env.distributed and self.cfg.distributed.strategy == "fsdp"
-        if sharded and state["dcp"] is None:
+        if is_sharded(raw_model) and state["dcp"] is None:
             raise ckpt.CheckpointError(
                 f"checkpoint {path} was written without fsdp (whole tensors in model.pt); resume it with "
                 "distributed.strategy=ddp or none"

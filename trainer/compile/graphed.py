@@ -72,7 +72,6 @@ class GraphedStep:
         torch.cuda.synchronize()
         with torch.cuda.graph(self.graph):
             self.loss, self.grad_norm = step_fn(self.xs, self.ys)
-        self.replays = 0
 
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one step on this batch; returns the static (loss, grad norm) tensors of this replay."""
@@ -82,5 +81,4 @@ class GraphedStep:
         self.xs.copy_(xs, non_blocking=True)
         self.ys.copy_(ys, non_blocking=True)
         self.graph.replay()
-        self.replays += 1
         return self.loss, self.grad_norm

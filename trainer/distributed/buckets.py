@@ -98,7 +98,7 @@ def _units(model: nn.Module, blocks_path: str | None) -> tuple[list[Unit], str |
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     try:
-        path, blocks = find_blocks(model, blocks_path)
+        path, _ = find_blocks(model, blocks_path)
     except ValueError:
         if blocks_path is not None:
             raise
@@ -107,8 +107,9 @@ def _units(model: nn.Module, blocks_path: str | None) -> tuple[list[Unit], str |
     units: list[tuple[str, list]] = []
     before, after, per_block = [], [], {}
     for n, p in named:
-        if n.startswith(prefix) and n[len(prefix) :].split(".", 1)[0].isdigit() and len(blocks) > 0:
-            per_block.setdefault(int(n[len(prefix) :].split(".", 1)[0]), []).append((n, p))
+        index = n[len(prefix) :].split(".", 1)[0] if n.startswith(prefix) else ""
+        if index.isdigit():
+            per_block.setdefault(int(index), []).append((n, p))
         elif not per_block:
             before.append((n, p))
         else:

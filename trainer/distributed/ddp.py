@@ -57,10 +57,9 @@ class DataParallel(nn.Module):
         self.module = module
         self.plan = plan
         self._group = group if group is not None else dist.group.WORLD
-        self._world = dist.get_world_size(self._group)
         # NCCL averages in the collective; gloo has no AVG: sum copies pre-scaled by 1/world.
         self._op = "avg" if dist.get_backend(self._group) == "nccl" else "sum"
-        self._scale = 1.0 if self._op == "avg" else 1.0 / self._world
+        self._scale = 1.0 if self._op == "avg" else 1.0 / dist.get_world_size(self._group)
         self._sync = True
         n = len(plan.buckets)
         self._counts = [len(b.params) for b in plan.buckets]
@@ -121,7 +120,8 @@ class DataParallel(nn.Module):
 
         Call once after the backward of the last micro-batch (outside :meth:`no_sync`). A bucket
         whose parameters did not all get a gradient (an unused layer) is reduced here, late, with
-        zeros for the missing ones; every rank must leave the same parameters unused.
+        zeros for the missing ones, and so is every bucket after it (collectives start in plan order).
+        Such parameters then have a zero gradient, not None: AdamW still decays them.
         """
         if not self._sync:
             return
@@ -140,7 +140,7 @@ class DataParallel(nn.Module):
 
     def _late(self, bucket) -> None:
         missing = [n for n, p in zip(bucket.names, bucket.params) if p.grad is None]
-        if bucket.index not in self._warned_late:
+        if missing and bucket.index not in self._warned_late:  # complete buckets queued behind it say nothing
             self._warned_late.add(bucket.index)
             log.warning(
                 "bucket %d: %d parameter(s) got no gradient this step (%s); the bucket is reduced after the "
