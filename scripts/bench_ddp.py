@@ -1,7 +1,7 @@
 """Data-parallel benchmark: tokens/s per GPU and scaling efficiency, torch's ways against ours.
 
     python scripts/bench_ddp.py --worlds 1,2                       # gpt2-small, B=16 per GPU, T=1024, bf16
-    python scripts/bench_ddp.py --worlds 1,2,4 --preset gpt2-medium
+    python scripts/bench_ddp.py --worlds 1,2,4,8 --preset gpt2-small,gpt2-medium --parallel 8
     python scripts/bench_ddp.py --worlds 2 --variants ours-ddp --steps 5   # a quick check
 
 Every (variant, world) runs under ``torch.distributed.run`` in fresh processes. Variants:
@@ -21,8 +21,10 @@ end (no per-step sync, which would cost them a few percent). Ours reports the Tr
 time. At world 1 every variant runs its own code path in one process (torch DDP and FSDP wrap a
 world of one; the Trainer runs without a wrapper, as for any single-GPU run).
 
-``--parallel N`` runs N (variant, world) jobs at once on disjoint GPUs of the machine (world x N
-<= GPUs): NVLink pairs do not share links on an NVSwitch machine, but say so when you report it.
+``--parallel N`` runs up to N (variant, world) jobs at once on disjoint GPUs of the machine, largest
+worlds first, each job starting in turn when enough GPUs are free: NVLink pairs do not share links
+on an NVSwitch machine, but say so when you report it. Several presets (``--preset a,b``) share one
+queue; each gets its own JSON, rewritten after every job (a cut-off run keeps what finished).
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -157,7 +159,7 @@ def _shape(a) -> dict:
 
 
 def _worker(a) -> None:
-    spec = VARIANTS[a.worker]
+    spec = _spec(a.worker)
     trace_dir = os.environ.get("BENCH_TRACE")  # rank 0's GPU timeline (kernels only), for scripts/trace_gaps.py
     if trace_dir and int(os.environ.get("RANK", "0")) == 0:
         import torch
@@ -172,27 +174,33 @@ def _worker(a) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
-def _spawn(a, variant: str, world: int, gpus: list[int] | None, port: int) -> dict:
+def _spawn(a, preset: str, variant: str, world: int, gpus: list[int] | None, port: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", __file__, "--worker", variant, *_pass_through(a)]  # fmt: skip
+           f"--master-port={port}", __file__, "--worker", variant, *_pass_through(a, preset)]  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": a.cache_dir, "OMP_NUM_THREADS": "1",
            "TRITON_CACHE_DIR": os.path.join(a.cache_dir, "triton"), "PYTHONUNBUFFERED": "1"}  # fmt: skip
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"[{preset} {variant} x{world}] timed out after {a.timeout} s", file=sys.stderr, flush=True)
+        return {"error": f"timed out after {a.timeout} s"}
     wall = time.perf_counter() - t0
     lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     if r.returncode != 0 or not lines:
-        print(f"[{variant} x{world}] failed (exit {r.returncode}):\n{r.stderr[-4000:]}", file=sys.stderr, flush=True)
+        print(f"[{preset} {variant} x{world}] failed (exit {r.returncode}):\n{r.stderr[-4000:]}", file=sys.stderr,
+              flush=True)  # fmt: skip
         return {"error": r.stderr[-2000:]}
     out = json.loads(lines[-1][len("RESULT ") :])
     out["process_wall_s"] = wall
+    out["gpus"] = gpus
     return out
 
 
-def _pass_through(a) -> list[str]:
-    args = ["--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
+def _pass_through(a, preset: str) -> list[str]:
+    args = ["--preset", preset, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
             "--warmup", str(a.warmup), "--vocab", str(a.vocab), "--device", a.device, "--bucket-mb", str(a.bucket_mb),
             "--ours-bucket-mb", str(a.ours_bucket_mb),
             *[f"--extra={e}" for e in a.extra]]  # fmt: skip
@@ -202,9 +210,49 @@ def _pass_through(a) -> list[str]:
     return args
 
 
+def _spec(variant: str) -> dict:
+    """``name`` or ``name@key=value@key=value``: an 'ours' variant with extra trainer overrides."""
+    base, *overrides = variant.split("@")
+    if base not in VARIANTS:
+        raise SystemExit(f"--variants: unknown variant '{base}' (known: {', '.join(VARIANTS)})")
+    spec = dict(VARIANTS[base])
+    if overrides:
+        if spec["kind"] != "ours":
+            raise SystemExit(f"--variants: '{variant}': overrides apply to ours-* variants only")
+        spec["overrides"] = [*spec["overrides"], *overrides]
+    return spec
+
+
+class GpuPool:
+    """Disjoint sets of GPUs for at most ``max_jobs`` jobs at once, in ticket order (no job overtakes another)."""
+
+    def __init__(self, n: int, max_jobs: int):
+        self.free = set(range(n))
+        self.max_jobs = max_jobs
+        self.running = 0
+        self.cond = threading.Condition()
+        self.turn = 0  # the ticket allowed to start next
+
+    def take(self, ticket: int, k: int) -> list[int]:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == ticket and len(self.free) >= k and self.running < self.max_jobs)
+            got = sorted(self.free)[:k]
+            self.free -= set(got)
+            self.running += 1
+            self.turn += 1
+            self.cond.notify_all()
+            return got
+
+    def give(self, gpus: list[int]) -> None:
+        with self.cond:
+            self.free |= set(gpus)
+            self.running -= 1
+            self.cond.notify_all()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="gpt2-small")
+    p.add_argument("--preset", default="gpt2-small", help="model preset; several: comma-separated")
     p.add_argument("--n-layer", type=int)
     p.add_argument("--n-head", type=int)
     p.add_argument("--n-embd", type=int)
@@ -216,12 +264,25 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="torch DDP's bucket_cap_mb (baselines)")
     p.add_argument("--ours-bucket-mb", type=float, default=100.0, help="distributed.bucket_mb for ours")
     p.add_argument("--worlds", default="1,2")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated; 'ours-ddp@distributed.comm_ctas=8' adds trainer overrides",
+    )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--parallel", type=int, default=1, help="jobs at once on disjoint GPUs")
-    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="jobs at once on disjoint GPUs (largest worlds first; each waits for the jobs before it)",
+    )
+    p.add_argument("--timeout", type=int, default=900, help="seconds per job")
     p.add_argument("--extra", action="append", default=[], help="extra trainer overrides for 'ours' variants")
-    p.add_argument("--out", default=str(ROOT / "scripts/results/bench_ddp.json"))
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "scripts/results/bench_ddp_{preset}.json"),
+        help="JSON per preset ('{preset}' is replaced), rewritten after every job",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help="compile cache shared by all jobs (default: a new temporary directory)")
     a = p.parse_args()
@@ -231,42 +292,55 @@ def main() -> None:
 
     import torch
 
-    worlds = [int(w) for w in a.worlds.split(",")]
+    presets = a.preset.split(",")
+    worlds = sorted((int(w) for w in a.worlds.split(",")), reverse=True)
     variants = a.variants.split(",")
+    for v in variants:
+        _spec(v)
     n_gpus = torch.cuda.device_count() if a.device == "cuda" else 0
-    results: dict[str, dict[str, dict]] = {v: {} for v in variants}
-    for world in worlds:
-        jobs = [(v, world) for v in variants]
-        slots = max(1, min(a.parallel, n_gpus // world)) if n_gpus else 1
-        free: queue.Queue[int] = queue.Queue()
-        for slot in range(slots):
-            free.put(slot)
+    if n_gpus and max(worlds) > n_gpus:
+        raise SystemExit(f"--worlds: {max(worlds)} processes need {max(worlds)} GPUs; this machine has {n_gpus}")
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    docs = {
+        preset: {
+            "gpu": torch.cuda.get_device_name() if n_gpus else "cpu",
+            "gpus": n_gpus,
+            "torch": torch.__version__,
+            "git_sha": sha.strip(),
+            "preset": preset,
+            "batch_per_gpu": a.batch,
+            "seq_len": a.seq,
+            "bucket_mb": a.bucket_mb,
+            "ours_bucket_mb": a.ours_bucket_mb,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "parallel": a.parallel,
+            "results": {v: {} for v in variants},
+        }  # fmt: skip
+        for preset in presets
+    }
+    jobs = [(preset, v, w) for preset in presets for w in worlds for v in variants]
+    pool = GpuPool(n_gpus or 1, max(1, a.parallel))
+    lock = threading.Lock()
 
-        def run_in_free_slot(v: str, w: int, port: int, free=free) -> dict:
-            slot = free.get()  # a set of GPUs no other job is using
-            try:
-                return _spawn(a, v, w, list(range(slot * w, slot * w + w)) if n_gpus else None, port)
-            finally:
-                free.put(slot)
+    def run(ticket: int, preset: str, v: str, w: int) -> None:
+        gpus = pool.take(ticket, w if n_gpus else 1)
+        try:
+            res = _spawn(a, preset, v, w, gpus if n_gpus else None, 29500 + ticket % 500)
+        finally:
+            pool.give(gpus)
+        with lock:
+            docs[preset]["results"][v][str(w)] = res
+            print(f"{preset} {v} x{w}: {res}", flush=True)
+            out = Path(a.out.format(preset=preset))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(docs[preset], indent=1))
 
-        with ThreadPoolExecutor(slots) as pool:
-            futures = [(v, pool.submit(run_in_free_slot, v, w, 29500 + i)) for i, (v, w) in enumerate(jobs)]
-            for v, f in futures:
-                results[v][str(world)] = f.result()
-                print(f"{v} x{world}: {results[v][str(world)]}", flush=True)
-    doc = {
-        "gpu": torch.cuda.get_device_name() if n_gpus else "cpu",
-        "gpus": n_gpus,
-        "torch": torch.__version__,
-        "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                  cwd=ROOT).stdout.strip(),
-        "preset": a.preset, "batch_per_gpu": a.batch, "seq_len": a.seq, "bucket_mb": a.bucket_mb,
-        "ours_bucket_mb": a.ours_bucket_mb,
-        "steps": a.steps, "warmup": a.warmup, "parallel": a.parallel, "results": results,
-    }  # fmt: skip
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(doc, indent=1))
-    print(table(doc))
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        for f in [ex.submit(run, i, *job) for i, job in enumerate(jobs)]:
+            f.result()
+    for preset in presets:
+        print(table(docs[preset]))
 
 
 def table(doc: dict) -> str:

@@ -17,7 +17,7 @@ def _gpt(n_layer=4):
 def test_whole_blocks_packed_up_to_the_cap_in_ready_order():
     model = _gpt(4)
     block = sum(p.numel() * 4 for p in model.transformer.h[0].parameters())
-    plan = plan_buckets(model, bucket_mb=2 * block / MiB)  # two blocks, not two blocks and the head
+    plan = plan_buckets(model, bucket_mb=2 * block / MiB, split_tail=False)  # two blocks, not two and the head
     units = [b.units for b in plan.buckets]
     # The head (tiny) and the embeddings (64 x 32 + 16 x 32 floats) are small next to a block.
     assert units == [("head", "transformer.h.3"), ("transformer.h.2", "transformer.h.1"), ("transformer.h.0",
@@ -30,6 +30,22 @@ def test_whole_blocks_packed_up_to_the_cap_in_ready_order():
         for i in blocks:
             assert all(n in b.names for n, _ in model.named_parameters() if n.startswith(f"transformer.h.{i}."))
         assert b.nbytes <= plan.cap_bytes or len(b.units) == 1
+
+
+def test_the_block_ready_last_is_a_bucket_of_its_own():
+    """split_tail (the default): the first block is not packed with the blocks ready before it."""
+    model = _gpt(5)
+    block = sum(p.numel() * 4 for p in model.transformer.h[0].parameters())
+    plan = plan_buckets(model, bucket_mb=3.5 * block / MiB)
+    assert [b.units for b in plan.buckets] == [
+        ("head", "transformer.h.4", "transformer.h.3", "transformer.h.2"), ("transformer.h.1",), ("transformer.h.0",),
+        ("embeddings",),
+    ]  # fmt: skip
+    packed = plan_buckets(model, bucket_mb=3.5 * block / MiB, split_tail=False)
+    assert [b.units for b in packed.buckets] == [
+        ("head", "transformer.h.4", "transformer.h.3", "transformer.h.2"), ("transformer.h.1", "transformer.h.0",
+        "embeddings"),
+    ]  # fmt: skip
 
 
 def test_a_unit_larger_than_the_cap_is_a_bucket_of_its_own():

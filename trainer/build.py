@@ -109,7 +109,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
         from trainer.distributed import ddp
         from trainer.distributed.buckets import plan_buckets
 
-        plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks)
+        plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks, cfg.distributed.split_tail)
         if compile and splits_at_buckets(cfg.compile):
             splitter = ddp.PlanSplitter(plan, ddp.inner_backend(cfg.compile.backend, cfg.compile.mode))
     # A sharded model had its blocks compiled by shard(), before fully_shard.
@@ -118,7 +118,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
 
         model = apply_compile(model, cfg.compile, say=say, backend=splitter)
     if plan is not None:
-        model = ddp.DataParallel(model, plan)
+        model = ddp.DataParallel(model, plan, comm_ctas=cfg.distributed.comm_ctas)
     return model, splitter
 
 
@@ -166,7 +166,8 @@ def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
     from trainer.distributed.buckets import plan_buckets
 
     c = cfg.compile
-    plan = splitter.plan if splitter is not None else plan_buckets(model, cfg.distributed.bucket_mb, c.blocks)
+    d = cfg.distributed
+    plan = splitter.plan if splitter is not None else plan_buckets(model, d.bucket_mb, c.blocks, d.split_tail)
     lines = []
     if splits_at_buckets(c):
         if splitter is None:

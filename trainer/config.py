@@ -186,6 +186,12 @@ class DistributedConfig:
     bucket_mb: float = _f(100.0, gt=0.0)
     """Gradient bucket cap in MiB: whole blocks per bucket up to this size; each bucket is one compiled graph
     piece (fewer, larger pieces: less host overhead; 100 beat 25 on 2 H200s, see scripts/results/bench_ddp*)."""
+    split_tail: bool = True
+    """DDP bucket plan: the block ready last before the embeddings is a bucket of its own, so the blocks before
+    it are reduced during its backward instead of after it (false: packed like the rest)."""
+    comm_ctas: int = _f(0, ge=0)
+    """DDP on NCCL: the most thread blocks (SMs) the all-reduces overlapping the backward may take from it; the
+    last bucket, which nothing overlaps, keeps NCCL's choice. 0 = NCCL's choice for every bucket."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
