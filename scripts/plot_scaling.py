@@ -1,6 +1,7 @@
 """Scaling table and plot from one or more ``bench_ddp.py`` JSON files (merged by variant and world size).
 
 python scripts/plot_scaling.py scripts/results/bench_ddp_x4_w*.json -o scripts/results/scaling_x4.png
+python scripts/plot_scaling.py scripts/results/bench_ddp_x8_gpt2_medium_*.json -o scaling.png --variants ours-ddp,eager-ddp
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def merge(paths: list[str]) -> dict:
         d = json.loads(Path(p).read_text())
         if not doc:
             doc = {**d, "results": {}}
+        doc["gpus"] = max(doc["gpus"], d["gpus"])
         for variant, per_world in d["results"].items():
             doc["results"].setdefault(variant, {}).update(per_world)
     return doc
@@ -28,8 +30,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+")
     p.add_argument("-o", "--out", required=True, help="PNG path")
+    p.add_argument("--variants", help="comma-separated: only these, in this order (default: all)")
+    p.add_argument("--note", help="a footnote under the plot (e.g. how the points were measured)")
     a = p.parse_args()
     doc = merge(a.files)
+    if a.variants:
+        doc["results"] = {v: doc["results"][v] for v in a.variants.split(",") if v in doc["results"]}
     from scripts.bench_ddp import table
 
     print(table(doc))
@@ -54,7 +60,9 @@ def main() -> None:
         ax.set_xticks(sorted({int(w) for r in doc["results"].values() for w in r}))
         ax.grid(alpha=0.3)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
+    if a.note:
+        fig.text(0.01, 0.01, a.note, fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, 0.05 if a.note else 0, 1, 1))
     fig.savefig(a.out, dpi=110)
     print(f"wrote {a.out}")
 

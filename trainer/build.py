@@ -118,7 +118,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
 
         model = apply_compile(model, cfg.compile, say=say, backend=splitter)
     if plan is not None:
-        model = ddp.DataParallel(model, plan, comm_ctas=cfg.distributed.comm_ctas)
+        model = ddp.DataParallel(model, plan)
     return model, splitter
 
 

@@ -189,9 +189,6 @@ class DistributedConfig:
     split_tail: bool = True
     """DDP bucket plan: the block ready last before the embeddings is a bucket of its own, so the blocks before
     it are reduced during its backward instead of after it (false: packed like the rest)."""
-    comm_ctas: int = _f(0, ge=0)
-    """DDP on NCCL: the most thread blocks (SMs) the all-reduces overlapping the backward may take from it; the
-    last bucket, which nothing overlaps, keeps NCCL's choice. 0 = NCCL's choice for every bucket."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])

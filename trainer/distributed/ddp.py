@@ -50,13 +50,9 @@ class DataParallel(nn.Module):
         plan: the bucket plan of the unwrapped model.
         group: the process group (default: the world).
         broadcast: copy rank 0's parameters and buffers to every rank first.
-        comm_ctas: on NCCL, the most thread blocks (each holds one SM) the all-reduces of every bucket
-            but the last may use: they overlap the backward, and each SM they hold is one the backward's
-            kernels do not get. The last bucket, which nothing overlaps, keeps NCCL's own choice. 0: NCCL's
-            choice for all. Needs NCCL >= 2.17; the group is created on every rank (a collective call).
     """
 
-    def __init__(self, module: nn.Module, plan: BucketPlan, group=None, *, broadcast: bool = True, comm_ctas: int = 0):
+    def __init__(self, module: nn.Module, plan: BucketPlan, group=None, *, broadcast: bool = True):
         super().__init__()
         self.module = module
         self.plan = plan
@@ -64,9 +60,6 @@ class DataParallel(nn.Module):
         # NCCL averages in the collective; gloo has no AVG: sum copies pre-scaled by 1/world.
         self._op = "avg" if dist.get_backend(self._group) == "nccl" else "sum"
         self._scale = 1.0 if self._op == "avg" else 1.0 / dist.get_world_size(self._group)
-        self._overlap_group = self._group
-        if comm_ctas and dist.get_backend(self._group) == "nccl":
-            self._overlap_group = _limited_group(self._group, comm_ctas)
         self._sync = True
         n = len(plan.buckets)
         self._counts = [len(b.params) for b in plan.buckets]
@@ -120,8 +113,7 @@ class DataParallel(nn.Module):
         flat = torch.cat(grads)
         if self._scale != 1.0:
             flat = flat * self._scale
-        group = self._group if b == len(self._counts) - 1 else self._overlap_group
-        self._reduced[b] = funcol.all_reduce(flat, self._op, group)
+        self._reduced[b] = funcol.all_reduce(flat, self._op, self._group)
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's all-reduce and make each ``param.grad`` a view of its reduced buffer.
@@ -159,24 +151,6 @@ class DataParallel(nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._launch(bucket.index)
-
-
-_LIMITED: dict[tuple[str, int], dist.ProcessGroup] = {}
-
-
-def _limited_group(group, max_ctas: int):
-    """A second NCCL communicator over ``group``'s ranks whose collectives use at most ``max_ctas`` blocks.
-
-    Cached per process: a re-wrap (after a compile failure) must not create another group, since
-    creating one is a collective every rank has to join.
-    """
-    key = (group.group_name, max_ctas)
-    if key not in _LIMITED:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.max_ctas = max_ctas
-        ranks = dist.get_process_group_ranks(group)
-        _LIMITED[key] = dist.new_group(ranks, backend="nccl", pg_options=opts)
-    return _LIMITED[key]
 
 
 class PlanSplitter:
