@@ -18,10 +18,10 @@ block larger than the cap is a bucket of its own. A model without repeated block
 parameter by parameter, in reverse registration order.
 
 The tail (``split_tail``, default on; models with blocks): the unit ready just before the last
-one (GPT-2's first block) is a bucket of its own. Whatever is reduced after the last block's backward is exposed:
-only the embedding backward is left to hide it. Packed with the blocks before it, those blocks'
-all-reduce would wait for it (for GPT-2 small at 100 MiB: three blocks, 81 MiB, instead of one,
-27 MiB); alone, they are reduced during its backward.
+one (GPT-2's first block) is a bucket of its own. Whatever is reduced after the last block's
+backward is exposed: only the embedding backward is left to hide it. Packed with the blocks
+before it, those blocks' all-reduce would wait for it (GPT-2 124M at 100 MiB: three blocks, 81 MiB,
+instead of one, 27 MiB); alone, they are reduced during its backward.
 
 A parameter shared by two modules (GPT-2's tied embedding and output head) appears once, under
 the name :meth:`nn.Module.named_parameters` gives it first (the embedding), so it is reduced with
