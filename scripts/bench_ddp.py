@@ -215,16 +215,9 @@ def _pass_through(a, preset: str) -> list[str]:
 
 
 def _spec(variant: str) -> dict:
-    """``name`` or ``name@key=value@key=value``: an 'ours' variant with extra trainer overrides."""
-    base, *overrides = variant.split("@")
-    if base not in VARIANTS:
-        raise SystemExit(f"--variants: unknown variant '{base}' (known: {', '.join(VARIANTS)})")
-    spec = dict(VARIANTS[base])
-    if overrides:
-        if spec["kind"] != "ours":
-            raise SystemExit(f"--variants: '{variant}': overrides apply to ours-* variants only")
-        spec["overrides"] = [*spec["overrides"], *overrides]
-    return spec
+    from scripts._variants import parse_variant
+
+    return parse_variant(variant, VARIANTS)
 
 
 class GpuPool:
@@ -354,14 +347,14 @@ def table(doc: dict) -> str:
     head += f"T={doc['seq_len']} bf16, buckets: torch {doc['bucket_mb']:g} MB{ours}; git {doc['git_sha'] or '-'}"
     cols = " | ".join(f"world {w} tok/s/GPU" for w in worlds)
     eff = " | ".join(f"scaling x{w}" for w in worlds if w > 1)
-    lines = [head, f"| variant | {cols} | {eff} | peak mem GB (largest world) |",
+    lines = [head, f"| variant | {' | '.join(filter(None, [cols, eff]))} | peak mem GB (largest world) |",
              "|---" * (2 + len(worlds) + len([w for w in worlds if w > 1])) + "|"]  # fmt: skip
     for v, r in doc["results"].items():
         tps = {w: r.get(str(w), {}).get("tokens_per_s_per_gpu") for w in worlds}
         cells = [f"{tps[w] / 1e3:.0f}K" if tps[w] else "failed" if str(w) in r else "not run" for w in worlds]
         effs = [f"{tps[w] / tps[1] * 100:.1f}%" if tps.get(1) and tps[w] else "-" for w in worlds if w > 1]
         mem = r.get(str(worlds[-1]), {}).get("peak_mem_gb")
-        lines.append(f"| {v} | {' | '.join(cells)} | {' | '.join(effs)} | {f'{mem:.1f}' if mem else '-'} |")
+        lines.append(f"| {v} | {' | '.join(cells + effs)} | {f'{mem:.1f}' if mem else '-'} |")
     return "\n".join(lines)
 
 

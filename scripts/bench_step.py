@@ -3,6 +3,7 @@
     python scripts/bench_step.py                      # gpt2-small, B=16, T=1024, bf16
     python scripts/bench_step.py --preset gpt2-medium --batch 8
     python scripts/bench_step.py --variants eager,torch.compile,ours-model
+    python scripts/bench_step.py --variants torch.compile,ours-model,ours-model@compile.mode=max-autotune-no-cudagraphs
 
 Each variant runs in its own process (so compile caches, Dynamo state and the CUDA allocator
 start clean) and reports tokens/s (median over timed steps), MFU against the 989 TFLOP/s
@@ -145,8 +146,14 @@ def matmul_peak() -> float:
     return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
 
 
+def _spec(variant: str) -> dict:
+    from scripts._variants import parse_variant
+
+    return parse_variant(variant, VARIANTS)
+
+
 def _worker(a) -> None:
-    spec = VARIANTS[a.worker]
+    spec = _spec(a.worker)
     if spec["kind"] == "user":
         out = run_user(a, spec["compile"])
     else:
@@ -191,22 +198,12 @@ def main() -> None:
     import torch
     import triton
 
+    variants = a.variants.split(",")
+    for v in variants:
+        _spec(v)
     peak = matmul_peak()
     results = {}
     caches = {}
-    for v in a.variants.split(","):
-        caches[v] = tempfile.mkdtemp(prefix=f"cache_{v}_")
-        results[v] = _spawn(a, v, caches[v])
-        print(f"{v}: {results[v]}", flush=True)
-    for v in filter(None, a.warm_cache.split(",")):
-        if v in caches:
-            results[v + " (warm cache)"] = _spawn(a, v, caches[v])
-            print(f"{v} warm: {results[v + ' (warm cache)']}", flush=True)
-    for r in results.values():
-        if "tokens_per_s" in r:
-            flops = r["flops_per_token"] * r["tokens_per_s"]
-            r["mfu_spec"] = flops / SPEC_PEAK
-            r["mfu_measured_peak"] = flops / peak
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     doc = {
         "gpu": torch.cuda.get_device_name(),
@@ -219,8 +216,24 @@ def main() -> None:
         "matmul_peak_tflops": peak / 1e12,
         "results": results,
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(doc, indent=1))
+
+    def record(name: str, r: dict) -> None:
+        """Keep a result and rewrite the JSON: a run cut short keeps what finished."""
+        if "tokens_per_s" in r:
+            flops = r["flops_per_token"] * r["tokens_per_s"]
+            r["mfu_spec"] = flops / SPEC_PEAK
+            r["mfu_measured_peak"] = flops / peak
+        results[name] = r
+        print(f"{name}: {r}", flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+
+    for v in variants:
+        caches[v] = tempfile.mkdtemp(prefix="cache_")
+        record(v, _spawn(a, v, caches[v]))
+    for v in filter(None, a.warm_cache.split(",")):
+        if v in caches:
+            record(v + " (warm cache)", _spawn(a, v, caches[v]))
     base = results.get("torch.compile", {}).get("tokens_per_s")
     print(f"\n{doc['gpu']}, torch {doc['torch']}, {a.preset} B={a.batch} T={a.seq} bf16; "
           f"bf16 matmul peak measured {peak / 1e12:.0f} TFLOP/s; git {doc['git_sha']}")  # fmt: skip
