@@ -27,8 +27,9 @@ on an NVSwitch machine, but say so when you report it. Several presets (``--pres
 queue; each gets its own JSON, rewritten after every job (a cut-off run keeps what finished).
 Measured on 8 H200s: host-bound variants (DDPOptimizer's many graph pieces, eager FSDP) read up to
 25% low while other jobs compile beside them (GPT-2 124M, DDPOptimizer, 1 GPU: 356K with five other
-jobs vs 480K alone); the compiled, GPU-bound ones did not move. Take published numbers from
-``--parallel 1``.
+jobs vs 480K alone); the compiled, GPU-bound ones did not move. So the ``--solo`` variants (those
+three by default) wait for the machine to be theirs alone, and every result says whether it ran
+``alone``.
 """
 
 from __future__ import annotations
@@ -224,27 +225,35 @@ class GpuPool:
     """Disjoint sets of GPUs for at most ``max_jobs`` jobs at once, in ticket order (no job overtakes another)."""
 
     def __init__(self, n: int, max_jobs: int):
+        self.n = n
         self.free = set(range(n))
         self.max_jobs = max_jobs
         self.running = 0
+        self.started = 0
         self.cond = threading.Condition()
         self.turn = 0  # the ticket allowed to start next
 
-    def take(self, ticket: int, k: int) -> list[int]:
+    def take(self, ticket: int, k: int) -> tuple[list[int], tuple[int, int]]:
+        """``k`` free GPUs (``k = n``: the machine to itself) and a token for :meth:`give`."""
         with self.cond:
             self.cond.wait_for(lambda: self.turn == ticket and len(self.free) >= k and self.running < self.max_jobs)
             got = sorted(self.free)[:k]
             self.free -= set(got)
             self.running += 1
+            self.started += 1
             self.turn += 1
             self.cond.notify_all()
-            return got
+            return got, (self.started, self.running)
 
-    def give(self, gpus: list[int]) -> None:
+    def give(self, gpus: list[int], token: tuple[int, int]) -> bool:
+        """Return the GPUs; true when no other job ran at any time during this one."""
         with self.cond:
+            started, running = token
+            alone = running == 1 and self.started == started  # none beside it at the start, none started since
             self.free |= set(gpus)
             self.running -= 1
             self.cond.notify_all()
+            return alone
 
 
 def main() -> None:
@@ -274,6 +283,12 @@ def main() -> None:
         help="jobs at once on disjoint GPUs (largest worlds first; each waits for the jobs before it)",
     )
     p.add_argument("--timeout", type=int, default=900, help="seconds per job")
+    p.add_argument(
+        "--solo",
+        default="ddpoptimizer,fsdp-eager,ours-fsdp",
+        help="with --parallel > 1, these variants get the machine to themselves (host-bound: they read "
+        "low beside other jobs)",
+    )
     p.add_argument("--extra", action="append", default=[], help="extra trainer overrides for 'ours' variants")
     p.add_argument(
         "--out",
@@ -320,12 +335,16 @@ def main() -> None:
     pool = GpuPool(n_gpus or 1, max(1, a.parallel))
     lock = threading.Lock()
 
+    solo = set(a.solo.split(",")) if a.parallel > 1 else set()
+
     def run(ticket: int, preset: str, v: str, w: int) -> None:
-        gpus = pool.take(ticket, w if n_gpus else 1)
+        k = (n_gpus if v.split("@")[0] in solo else w) if n_gpus else 1
+        gpus, token = pool.take(ticket, k)
         try:
-            res = _spawn(a, preset, v, w, gpus if n_gpus else None, 29500 + ticket % 500)
+            res = _spawn(a, preset, v, w, gpus[:w] if n_gpus else None, 29500 + ticket % 500)
         finally:
-            pool.give(gpus)
+            res_alone = pool.give(gpus, token)
+        res["alone"] = res_alone  # false: other jobs ran beside it (host-bound variants read low then)
         with lock:
             docs[preset]["results"][v][str(w)] = res
             print(f"{preset} {v} x{w}: {res}", flush=True)
