@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +34,12 @@ def run_cli(*args, env=None, timeout=300, cwd=ROOT):
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
     )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """``{step: loss}`` from a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def pytest_collection_modifyitems(config, items):

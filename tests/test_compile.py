@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST, ROOT, losses
 from trainer.compile.autograd import compiled_autograd
 from trainer.compile.capture import apply_compile, find_blocks
 from trainer.config import load_config
@@ -182,9 +182,6 @@ def test_compiled_run_resumes_from_eager_checkpoint_and_back(tmp_path):
     torch._dynamo.reset()
     fit(run, resume="last")
     fit(straight)
-
-    def losses(d):
-        return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
 
     assert losses(run) == losses(straight)  # aot_eager is bitwise-equal to eager on CPU (see above)
 

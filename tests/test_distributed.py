@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST, ROOT, losses
 
 SHAPE = [f for f in FAST if not f.startswith("train.micro_batch_size")]
 
@@ -18,11 +18,6 @@ def _torchrun(nproc: int, *args, timeout=300):
            "-m", "trainer", "fit", "configs/tiny.yaml", *args]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def _params(run_dir, step):
@@ -67,7 +62,7 @@ VARIANTS = {
 def test_two_ranks_reproduce_one_process(variant, one_process, tmp_path):
     r = _torchrun(2, *COMMON, "train.micro_batch_size=4", *VARIANTS[variant], f"run.dir={tmp_path}")
     assert r.returncode == 0, r.stderr
-    a, b = _losses(one_process), _losses(tmp_path)
+    a, b = losses(one_process), losses(tmp_path)
     assert sorted(a) == sorted(b) == list(range(1, 9))  # rank 0 alone writes: each step once
     # The logged loss is the mean over ranks; the ranks' gradients are summed in another order than one
     # process's batched matmuls: observed max |diff| 1e-6 over 8 steps.
@@ -124,7 +119,7 @@ def test_save_on_two_ranks_resume_on_one(one_process, tmp_path):
     r = _torchrun(1, *COMMON, "train.micro_batch_size=8", f"run.dir={tmp_path}", "resume=last")
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
-    a, b = _losses(one_process), _losses(tmp_path)
+    a, b = losses(one_process), losses(tmp_path)
     for step in (6, 7, 8):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
 
@@ -179,7 +174,7 @@ def test_two_gpus_reproduce_one_gpu(variant, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     r = _torchrun(2, *common, "train.micro_batch_size=4", *GPU_VARIANTS[variant], f"run.dir={two}")
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = _losses(one), _losses(two)
+    a, b = losses(one), losses(two)
     for step in a:
         # TF32 matmuls and another summation order: tolerance 1e-3 (relative to losses ~5).
         assert abs(a[step] - b[step]) < 1e-3, (step, a[step], b[step])
@@ -194,7 +189,7 @@ def test_accelerate_launch_works_like_torchrun(one_process, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = _losses(one_process), _losses(tmp_path)
+    a, b = losses(one_process), losses(tmp_path)
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
 

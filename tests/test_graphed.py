@@ -1,16 +1,9 @@
 """The graphed step (compile.cudagraphs): refused where it cannot be right; equal to the ungraphed step on a GPU."""
 
-import json
-
 import pytest
 
-from tests.conftest import FAST, ROOT, run_cli
+from tests.conftest import FAST, ROOT, losses, run_cli
 from trainer.config import ConfigError, load_config
-
-
-def _losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 @pytest.mark.parametrize(
@@ -47,7 +40,7 @@ def test_graphed_step_equals_ungraphed(tmp_path):
         d = tmp_path / graphs
         r = run_cli("fit", "configs/tiny.yaml", *common, f"compile.cudagraphs={graphs}", f"run.dir={d}")
         assert r.returncode == 0, r.stderr[-3000:]
-        runs[graphs] = _losses(d)
+        runs[graphs] = losses(d)
     assert "captured as one CUDA graph" in r.stdout + r.stderr  # the console goes to stderr
     a, b = runs["false"], runs["true"]
     assert sorted(a) == sorted(b) == list(range(1, 13))
