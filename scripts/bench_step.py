@@ -9,7 +9,8 @@ Each variant runs in its own process (so compile caches, Dynamo state and the CU
 start clean) and reports tokens/s (median over timed steps), MFU against the 989 TFLOP/s
 spec and against the bf16 matmul peak measured in this run, peak memory and first-step time
 (compile included). Cold vs warm compile cache: "ours" variants run once with an empty
-cache directory and once more with the one the first run filled.
+cache directory and once more with the one the first run filled. ``BENCH_TRACE=dir`` also writes each
+variant's GPU timeline there (timings then include the profiler); ``scripts/trace_gaps.py`` reads it.
 
 Baselines are written as a user writes them: ``torch.compile(model)`` (or not), fused AdamW,
 ``clip_grad_norm_``, bf16 autocast, batches from the same data loader. "Ours" is ``trainer fit``
@@ -154,18 +155,30 @@ def _spec(variant: str) -> dict:
 
 def _worker(a) -> None:
     spec = _spec(a.worker)
-    if spec["kind"] == "user":
-        out = run_user(a, spec["compile"])
+
+    def run() -> dict:
+        return run_user(a, spec["compile"]) if spec["kind"] == "user" else run_ours(a, spec["overrides"], a.cache_dir)
+
+    trace_dir = os.environ.get("BENCH_TRACE")  # the GPU timeline (kernels only), for scripts/trace_gaps.py
+    if trace_dir:
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = run()
+        name = a.worker.replace("@", "_at_").replace("=", "-").replace("/", "_")  # as in main()
+        prof.export_chrome_trace(os.path.join(trace_dir, f"{name}.json.gz"))
     else:
-        out = run_ours(a, spec["overrides"], a.cache_dir)
+        out = run()
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _spawn(a, variant: str, cache_dir: str) -> dict:
+def _spawn(a, variant: str, cache_dir: str, trace_dir: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--cache-dir", cache_dir, "--preset", a.preset,
            "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
            *[f"--extra={e}" for e in a.extra]]  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+    if trace_dir:
+        env["BENCH_TRACE"] = trace_dir
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
@@ -189,6 +202,8 @@ def main() -> None:
     p.add_argument("--warm-cache", default="ours-model", help="variants to rerun with a warm compile cache")
     p.add_argument("--extra", action="append", default=[], help="extra trainer overrides for 'ours' variants")
     p.add_argument("--out", default=str(ROOT / "scripts/results/bench_step.json"))
+    p.add_argument("--trace", metavar="DIR", help="then rerun every variant (warm cache) with its GPU timeline "
+                   "written to DIR and print scripts/trace_gaps.py's breakdown (not in the table)")  # fmt: skip
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -234,6 +249,17 @@ def main() -> None:
     for v in filter(None, a.warm_cache.split(",")):
         if v in caches:
             record(v + " (warm cache)", _spawn(a, v, caches[v]))
+    if a.trace:
+        from scripts.trace_gaps import analyse
+
+        os.makedirs(a.trace, exist_ok=True)
+        for v in variants:
+            r = _spawn(a, v, caches[v], trace_dir=a.trace)
+            name = v.replace("@", "_at_").replace("=", "-").replace("/", "_")
+            path = os.path.join(a.trace, f"{name}.json.gz")
+            print(f"[traced] {v}: {r.get('tokens_per_s', 0) / 1e3:.0f}K tok/s under the profiler", flush=True)
+            if os.path.exists(path):
+                print(analyse(path, steps=3, step_kernel="adam"), flush=True)
     base = results.get("torch.compile", {}).get("tokens_per_s")
     print(f"\n{doc['gpu']}, torch {doc['torch']}, {a.preset} B={a.batch} T={a.seq} bf16; "
           f"bf16 matmul peak measured {peak / 1e12:.0f} TFLOP/s; git {doc['git_sha']}")  # fmt: skip

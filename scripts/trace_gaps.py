@@ -5,7 +5,8 @@
 Steps are delimited by the optimizer kernel (the last kernel whose name matches ``--step-kernel``);
 over the last ``--steps`` steps it prints: step time, time the compute streams are busy, NCCL
 kernel time, NCCL time not overlapped with compute, compute-idle time (nothing running: the host or
-an exposed wait) and the largest kernels.
+an exposed wait), kernel time per category (matmul, attention, Inductor's Triton kernels, optimizer,
+NCCL, other) and the largest kernels. Works as well for one GPU (``BENCH_TRACE=dir python scripts/bench_step.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,19 @@ import gzip
 import json
 import re
 from collections import defaultdict
+
+CATEGORIES = [  # first match wins
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|cudnn|attention|sdpa|softmax_?bw"),
+    ("optimizer", r"adam|multi_tensor|foreach|sgd"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|wgmma|splitk"),
+    ("triton", r"^triton_|_kernel$"),
+    ("other", r""),
+]
+
+
+def category(name: str) -> str:
+    return next(c for c, rx in CATEGORIES if re.search(rx, name, re.I))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -62,7 +76,7 @@ def analyse(path: str, steps: int, step_kernel: str) -> str:
     by_name: dict[str, float] = defaultdict(float)
     for e in window:
         by_name[e["name"][:90]] += e["dur"]
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
     per = 1e3 * steps  # us -> ms per step
     lines = [
         f"{path}: last {steps} steps",
@@ -70,6 +84,10 @@ def analyse(path: str, steps: int, step_kernel: str) -> str:
         f"{(total - _length(compute)) / per:.2f} ms | nccl {_length(nccl) / per:.2f} ms, of it not under compute "
         f"{(_length(nccl) - _intersect(nccl, compute)) / per:.2f} ms | kernels/step {len(window) / steps:.0f}",
     ]
+    by_cat: dict[str, float] = defaultdict(float)
+    for e in window:
+        by_cat[category(e["name"])] += e["dur"]
+    lines.append("  by category: " + " | ".join(f"{c} {by_cat[c] / per:.2f} ms" for c, _ in CATEGORIES if by_cat[c]))
     lines += [f"    {t / per:7.3f} ms  {n}" for n, t in top]
     return "\n".join(lines)
 

@@ -45,3 +45,30 @@ def test_variant_overrides():
         parse_variant("bogus", VARIANTS)
     with pytest.raises(SystemExit, match="ours-\\* variants only"):
         parse_variant("eager-ddp@x=1", VARIANTS)
+
+
+def test_trace_gaps_splits_steps_at_the_optimizer_and_sums_each_category(tmp_path):
+    """scripts/trace_gaps.py on a hand-made timeline: 3 steps of 10 ms, each a 4 ms GEMM, a 2 ms attention
+    kernel overlapping a 3 ms NCCL all-reduce by 1 ms, a 1 ms Triton kernel and a 1 ms AdamW kernel."""
+    import json
+
+    from scripts.trace_gaps import analyse, category
+
+    events = []
+    for s in range(4):
+        t = s * 10_000
+        events += [
+            {"cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": t, "dur": 4000},
+            {"cat": "kernel", "name": "pytorch_flash::flash_bwd_kernel", "ts": t + 4000, "dur": 2000},
+            {"cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32", "ts": t + 5000, "dur": 3000},
+            {"cat": "kernel", "name": "triton_poi_fused_gelu_0", "ts": t + 8000, "dur": 1000},
+            {"cat": "kernel", "name": "void multi_tensor_apply_kernel<FusedAdamWMathFunctor>", "ts": t + 9000,
+             "dur": 1000},
+        ]  # fmt: skip
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = analyse(str(path), steps=3, step_kernel="adam")
+    assert "step 10.00 ms" in out and "compute busy 8.00 ms" in out and "compute idle 2.00 ms" in out
+    assert "nccl 3.00 ms, of it not under compute 2.00 ms" in out
+    assert "nccl 3.00 ms | attention 2.00 ms | optimizer 1.00 ms | matmul 4.00 ms | triton 1.00 ms" in out
+    assert category("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"

@@ -345,3 +345,35 @@ def test_trajectory_on_cuda_stays_compiled(name):
     assert compiled.compiled and _graphs() == warm[1]
     for p, q in zip(ps, qs):
         torch.testing.assert_close(p, q, rtol=0, atol=atol)  # CPU's tolerances; CUDA rounding not measured yet
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_clipping_through_fused_adamw_grad_scale_equals_clip_grad_norm(device):
+    """The loop clips for torch's fused AdamW by setting ``opt.grad_scale`` (the kernel divides each gradient
+    by it and writes it back) instead of clip_grad_norm_'s own pass. Pins that torch behaviour: the same
+    parameters, states and clipped gradients as clip_grad_norm_ + AdamW, to fp32 rounding."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from trainer.loop import _clip
+
+    torch.manual_seed(0)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(device)
+    model = copy.deepcopy(ref_model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    opt = build_optimizer(model.parameters(), impl="fused", lr=1e-2, weight_decay=0.1, device=device)
+    for step in range(4):
+        x = torch.randn(32, 8, device=device) * (10 if step % 2 else 0.01)  # clipping on, then off
+        for m in (ref_model, model):
+            m(x).square().mean().backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        norm = _clip(model, opt, 0.5, clips_itself=False)
+        assert hasattr(opt, "grad_scale"), "the fused path was not taken"
+        torch.testing.assert_close(norm, ref_norm)
+        assert (ref_norm.item() > 0.5) == (opt.grad_scale.item() > 1.0)
+        ref_opt.step()
+        opt.step()
+        for p, q in zip(ref_model.parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)  # written back clipped
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        for o in (ref_opt, opt):
+            o.zero_grad(set_to_none=True)

@@ -333,3 +333,68 @@ def test_gpu_gpt2_head_bf16_autocast_accuracy_and_memory():
     assert all(o <= 2 * e + 1e-4 for o, e in zip(ours_err, eager_err))
     # Expected ~0.9 GB (412 MB logits chunk + weight copies + grads) against ~10 GB materialised.
     assert ours[3] < 0.25 * eager[3] and ours[3] < 1.5 * 2**30
+
+
+# --- save_logit_grads=True: one (N, V) buffer, gradient matmuls in the backward (model.cross_entropy=triton)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,v,c", [(1, 256, 16), (7, 1000, 64), (4097, 1000, 16), (7, 50304, 16)])
+def test_saved_logit_grads_match_float64_reference(n, v, c, dtype):
+    # Same tolerances as the chunked op: the same kernel on the same logits; the gradient
+    # matmuls run on the unscaled bf16/fp16 dlogits and are scaled by 1 / n_valid in fp32 after.
+    x, w, t = _inputs(n, v, c, dtype, seed=n + v + c)
+    loss = linear_cross_entropy(x, w, t, save_logit_grads=True)
+    loss.backward()
+    _check(loss, x, w, _reference(x, w, t), dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_saved_logit_grads_reductions_grad_output_and_all_ignored(reduction):
+    x, w, t = _inputs(7, 1000, 16, torch.float32)
+    loss = linear_cross_entropy(x, w, t, reduction=reduction, save_logit_grads=True)
+    (loss * 3.5).backward()  # grad_output 3.5, as in loss / grad_accum
+    ref_loss, ref_gx, ref_gw = _reference(x, w, t, reduction=reduction)
+    _check(loss, x, w, (ref_loss, ref_gx * 3.5, ref_gw * 3.5), torch.float32)
+    x.grad = w.grad = None
+    t.fill_(-100)
+    loss = linear_cross_entropy(x, w, t, reduction=reduction, save_logit_grads=True)
+    loss.backward()
+    assert loss.isnan().item() == (reduction == "mean") and (reduction == "mean" or loss.item() == 0.0)
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+    with pytest.raises(ValueError, match="chunk_size does not apply"):
+        linear_cross_entropy(x, w, t, chunk_size=4, save_logit_grads=True)
+
+
+def test_saved_logit_grads_under_autocast_equal_the_chunked_op():
+    # The GPT's case: fp32 hidden states and master weight, bf16 autocast. Both ops run the same
+    # bf16 logits through the same kernel: equal losses; gradients within a bf16 ulp of each other.
+    x, w, t = _inputs(300, 1000, 64, torch.float32)
+    grads = []
+    for kw in ({"chunk_size": 300}, {"save_logit_grads": True}):
+        x.grad = w.grad = None
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = linear_cross_entropy(x, w, t, **kw)
+        loss.backward()
+        grads.append((loss.detach(), x.grad, w.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert grads[1][1].dtype == torch.float32 and grads[1][2].dtype == torch.float32
+    for a, b in zip(grads[0][1:], grads[1][1:]):
+        assert _rel_err(b, a.double()) <= 2**-7
+    _check(grads[1][0], x, w, _reference(x, w, t), torch.bfloat16)
+
+
+def test_saved_logit_grads_opcheck_and_compile_fullgraph():
+    x, w, t = _inputs(33, 300, 16, torch.float32)
+    torch.library.opcheck(lce._saved_op, (x, w, t, -100, "mean", True))
+    torch.library.opcheck(lce._saved_op, (x.detach(), w.detach(), torch.where(t < 0, 3, t), 3, "sum", False))
+
+    def fn(x, w, t):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            return linear_cross_entropy(x, w, t, save_logit_grads=True) / 2
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    for got, want in zip(_grads(compiled, x, w, t), _grads(fn, x, w, t)):
+        assert torch.equal(got, want)  # the same kernel and matmuls on the same inputs
+    assert counter.frame_count == 1

@@ -72,3 +72,49 @@ def test_user_model_target(tmp_path, monkeypatch):
 def test_loss_of_rejects_non_scalars():
     with pytest.raises(ValueError, match="scalar loss"):
         loss_of(torch.zeros(3))
+
+
+def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_startup():
+    """model.attention: a named kernel gives the same loss and gradients as torch's own choice; a kernel the
+    device cannot run is a config error naming the key (before anything is compiled), not a first-step crash."""
+    from trainer.build import check_attention
+    from trainer.config import ConfigError, load_config
+
+    idx = torch.randint(0, 64, (2, 16))
+    outs = {}
+    for name in ("auto", "math"):
+        torch.manual_seed(0)
+        model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16, attention=name)
+        loss = model(idx, idx)
+        loss.backward()
+        outs[name] = (loss.detach(), model.transformer.h[0].attn.c_attn.weight.grad)
+    assert torch.allclose(outs["auto"][0], outs["math"][0], atol=1e-6)
+    assert torch.allclose(outs["auto"][1], outs["math"][1], atol=1e-6)
+
+    cfg = load_config(None, ["model.attention=cudnn", "model.n_head=2"])
+    check_attention(load_config(None, ["model.attention=math"]), torch.device("cpu"), None)  # runs on CPU
+    with pytest.raises(ConfigError, match=r"model.attention: 'cudnn' cannot run on cpu .*head size 64"):
+        check_attention(cfg, torch.device("cpu"), None)
+    with pytest.raises(ConfigError, match="model.attention: applies to the built-in GPT only"):
+        load_config(None, ["model.attention=flash", "model.target=pkg.mod:make", "model.preset=null"])
+
+
+def test_triton_cross_entropy_matches_torch_in_the_gpt():
+    """model.cross_entropy=triton (the loss kernel writing the logit gradients in the forward) gives the
+    GPT the loss and gradients of F.cross_entropy (fp32 on CPU; the kernel's own tests cover bf16)."""
+    from trainer.build import cross_entropy
+    from trainer.config import load_config
+
+    idx = torch.randint(0, 64, (2, 16))
+    out = {}
+    for name in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16, cross_entropy=name)
+        loss = model(idx, idx.roll(1, dims=1))
+        loss.backward()
+        out[name] = (loss.detach(), model.lm_head.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad)
+    for a, b in zip(out["torch"], out["triton"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    auto = load_config(None, ["model.cross_entropy=auto"])
+    assert cross_entropy(auto, torch.device("cpu")) == "torch"
+    assert cross_entropy(auto, torch.device("cuda")) == "triton"

@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
 
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.distributed.fsdp import is_sharded
 
 
@@ -73,6 +74,47 @@ def fused_loss(cfg: Config, device: torch.device) -> bool:
     if cfg.model.fused_loss is not None:
         return cfg.model.fused_loss
     return cfg.compile.autograd and cfg.model.target is None and device.type == "cuda"
+
+
+def cross_entropy(cfg: Config, device: torch.device) -> str:
+    """``model.cross_entropy`` with auto resolved: our Triton loss kernel on CUDA, F.cross_entropy elsewhere."""
+    if cfg.model.cross_entropy != "auto":
+        return cfg.model.cross_entropy
+    return "triton" if device.type == "cuda" and cfg.model.target is None else "torch"
+
+
+def check_attention(cfg: Config, device: torch.device, dtype) -> None:
+    """Fail at startup, with the key, when ``model.attention`` names a kernel this device cannot run.
+
+    torch checks a backend's constraints (device, dtype, head size) only when attention first runs, and
+    inside a compiled graph that is the first training step; a probe of the model's head size and dtype
+    answers before anything is compiled.
+    """
+    name = cfg.model.attention
+    if name == "auto":
+        return
+    from torch.nn.attention import sdpa_kernel
+
+    from trainer.models.gpt import sdpa_backend
+    from trainer.models.presets import PRESETS
+
+    m = cfg.model
+    preset = dict(PRESETS[m.preset]) if m.preset else {}
+    n_head = m.n_head or preset.get("n_head", 1)
+    head_dim = (m.n_embd or preset.get("n_embd", 64)) // n_head
+    q = torch.zeros(1, n_head, 16, head_dim, device=device, dtype=dtype or torch.float32, requires_grad=True)
+    try:
+        with warnings.catch_warnings(record=True) as said, sdpa_kernel(sdpa_backend(name)):
+            warnings.simplefilter("always")
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    except RuntimeError as e:
+        # torch gives its reasons as warnings ("... not used because ...") and then "No available kernel".
+        reasons = [str(w.message).strip().splitlines()[0] for w in said] or [str(e).strip().splitlines()[0]]
+        first = "; ".join(reasons[:2])
+        raise ConfigError(
+            f"model.attention: '{name}' cannot run on {device} with {str(q.dtype).removeprefix('torch.')} and "
+            f"head size {head_dim} ({first}); use auto"
+        ) from None
 
 
 def amp_dtype(precision: str, device: torch.device):

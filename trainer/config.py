@@ -65,6 +65,13 @@ class ModelConfig:
     fused_loss: bool | None = None
     """Fused linear + cross-entropy Triton kernel for the head and loss (never materialises the logits);
     null = on with compile.autograd on a GPU (see scripts/results/notes_compiled_autograd.md), else off."""
+    cross_entropy: str = _f("torch", choices=["auto", "torch", "triton"])
+    """Built-in GPT, when fused_loss is off: the loss over the (tokens x vocab) logits. torch: F.cross_entropy
+    (compiled by Inductor); triton: our kernel writes the logits' gradient over them in the forward (one pass
+    instead of two; same memory); auto: triton on CUDA, torch elsewhere."""
+    attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
+    """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
+    with torch 2.11; see scripts/bench_attention.py). Checked on the device at startup."""
     target: str | None = None
     """Your own model as "pkg.module:factory"; the factory returns an nn.Module whose
     forward(idx, targets) returns the loss (or a tuple ending in it)."""
@@ -293,6 +300,10 @@ class Config:
                 "compile.autograd: compiled autograd with distributed.strategy=fsdp is silently wrong in torch "
                 ">= 2.13 (parameters stay unsharded, gradients are not reduced); set compile.autograd=false"
             )
+        if self.model.cross_entropy == "triton" and self.model.target is not None:
+            raise ConfigError("model.cross_entropy: applies to the built-in GPT only; drop it with model.target")
+        if self.model.attention != "auto" and self.model.target is not None:
+            raise ConfigError("model.attention: applies to the built-in GPT only; drop it with model.target")
         if self.model.fused_loss and self.model.target is not None:
             raise ConfigError("model.fused_loss: only the built-in GPT has a fused loss; drop it with model.target")
 

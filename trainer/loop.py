@@ -83,12 +83,14 @@ class Trainer:
         )
         m = cfg.model
         fused_loss = build.fused_loss(cfg, device)
+        amp_dtype = build.amp_dtype(cfg.train.precision, device)
+        build.check_attention(cfg, device, amp_dtype)
         raw_model = build_model(
             preset=m.preset, vocab_size=corpus.vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer,
             n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, fused_loss=fused_loss,
-            target=m.target, kwargs=dict(m.kwargs),
+            attention=m.attention, cross_entropy=build.cross_entropy(cfg, device), target=m.target,
+            kwargs=dict(m.kwargs),
         ).to(device)  # fmt: skip
-        amp_dtype = build.amp_dtype(cfg.train.precision, device)
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
         if env.distributed and cfg.distributed.strategy == "fsdp":
             # Sharding replaces the parameters (DTensors): before the optimizer is built and state is loaded.
@@ -121,7 +123,8 @@ class Trainer:
             f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}"
             f"{f' x{env.world_size}' if env.distributed else ''}, {build.precision_name(amp_dtype)}, "
             f"compile {'on (' + cfg.compile.backend + ')' if cfg.compile.enabled else 'off'}"
-            f"{', compiled autograd' if cfg.compile.autograd else ''}{', fused loss' if fused_loss else ''}; "
+            f"{', compiled autograd' if cfg.compile.autograd else ''}{', fused loss' if fused_loss else ''}"
+            f"{', triton cross-entropy' if build.cross_entropy(cfg, device) == 'triton' and not fused_loss else ''}; "
             f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {run_dir}"
         )
 
@@ -242,7 +245,7 @@ class Trainer:
                         model.finish_grad_sync()  # waits for the bucket all-reduces started during the backward
                     if scaler is not None:
                         scaler.unscale_(opt)
-                    grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
+                    grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself, scaler)
                     read = _copy_to_host(loss_val, grad_norm)  # started now, read one step later
                     if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):  # syncs every step
                         opt.zero_grad(set_to_none=True)
@@ -450,16 +453,32 @@ def _dcp_writer(model: nn.Module, opt):
     return write
 
 
-def _clip(model: nn.Module, opt, max_norm: float, clips_itself: bool):
+def _clip(model: nn.Module, opt, max_norm: float, clips_itself: bool, scaler=None):
     """Clip by global norm unless the optimizer does it inside its kernel; returns the pre-clip norm."""
     if clips_itself:
         return opt.grad_norm()  # on device, no sync; the optimizer's step() clips with this same tensor
     params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0 and scaler is None and params and _divides_by_grad_scale(opt, model):
+        # torch's fused Adam/AdamW divide every gradient by `opt.grad_scale` inside their kernel (and
+        # write it back): GradScaler's hook. Clipping through it saves clip_grad_norm_'s separate read and
+        # write of every gradient (0.37 ms of a 35 ms gpt2-small step on an H100). The divisor is
+        # 1 / clip_grad_norm_'s coefficient: the same clipped gradients to rounding.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        opt.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        return norm
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor, reduced over ranks
+
+
+def _divides_by_grad_scale(opt, model: nn.Module) -> bool:
+    """Whether ``opt.step()`` divides the gradients by ``opt.grad_scale``: torch's fused Adam/AdamW, not FSDP's
+    DTensors (whose norm is a DTensor)."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    return all(g.get("fused") for g in opt.param_groups) and not is_sharded(model)
 
 
 def _all_finite(loss: torch.Tensor, grad_norm, env) -> bool:

@@ -28,6 +28,8 @@ def build_model(
     dropout: float = 0.0,
     bias: bool = True,
     fused_loss: bool = False,
+    attention: str = "auto",
+    cross_entropy: str = "torch",
     target: str | None = None,
     kwargs: dict | None = None,
 ) -> nn.Module:
@@ -41,7 +43,13 @@ def build_model(
     shape = dict(PRESETS[preset]) if preset else {}
     shape.update({k: v for k, v in dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd).items() if v is not None})
     cfg = GPTConfig(
-        vocab_size=vocab_size, block_size=seq_len, dropout=dropout, bias=bias, fused_loss=fused_loss, **shape
+        vocab_size=vocab_size,
+        block_size=seq_len,
+        dropout=dropout,
+        bias=bias,
+        fused_loss=fused_loss,
+        attention=attention,
+        **shape,
     )
     return GPT(cfg)
 

@@ -22,6 +22,22 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     fused_loss: bool = False
+    cross_entropy: str = "torch"  # torch (F.cross_entropy) | triton (ours, logit gradients in the forward)
+    attention: str = "auto"  # SDPA backend: auto (torch picks) | flash | cudnn | efficient | math
+
+
+def sdpa_backend(name: str):
+    """The ``torch.nn.attention.SDPBackend`` for a ``model.attention`` name; None for auto."""
+    if name == "auto":
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
 
 
 class CausalSelfAttention(nn.Module):
@@ -32,6 +48,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.backend = sdpa_backend(cfg.attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -40,7 +57,13 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.backend is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(self.backend):  # traced by Dynamo: the choice is made at trace time
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -124,6 +147,12 @@ class GPT(nn.Module):
             from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy
 
             return linear_cross_entropy(x.reshape(B * T, C), self.lm_head.weight, targets.reshape(B * T))
+        if self.cfg.cross_entropy == "triton":
+            from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy
+
+            return linear_cross_entropy(
+                x.reshape(B * T, C), self.lm_head.weight, targets.reshape(B * T), save_logit_grads=True
+            )
         logits = self.lm_head(x)  # (B, T, V)
         return F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T), ignore_index=-100)
 

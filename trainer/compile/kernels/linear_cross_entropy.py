@@ -35,6 +35,14 @@ both). Chunks are not made as small as x (Liger-Kernel's rule, 256 rows here): e
 V x C product into the fp32 ``grad_W`` (~460 MB of traffic), ~30 GB over 64 chunks against
 ~2 GB over 4. Double backward is not supported.
 
+``save_logit_grads=True`` (``trainer::linear_cross_entropy_saved``, the built-in GPT's
+``model.cross_entropy: triton``) trades the other way, for speed at torch's memory: one cuBLAS
+matmul into a full (N, V) logits buffer, the same row kernel overwriting it with the logit
+gradients, and that buffer kept for the backward, where ``dlogits @ W`` and ``dlogits.T @ x`` run
+(scaled after, in fp32). Compiled ``F.cross_entropy`` keeps the same (N, V) buffer (the logits)
+but reads it in a forward kernel and again, with a write, in a backward kernel; here it is read
+and rewritten once (the kernel's second read of a row mostly hits L2).
+
 The compute dtype is the autocast dtype when autocast is on for x's device, else x's dtype;
 softmax and logsumexp accumulate in fp32, the loss is fp32, and the gradients come back in the
 dtypes of x and weight.
@@ -307,6 +315,58 @@ def _backward(ctx, grad_loss, _grad_dx, _grad_dw):
 _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("trainer::linear_cross_entropy_saved", mutates_args=())
+def _saved_op(
+    x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, reduction: str, compute_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """Returns ``(loss, dlogits)``: ``x`` and ``weight`` already in the compute dtype; the (N, V) logits
+    buffer, after the kernel, holds d(sum of row losses)/dlogits (with ``compute_grad``) and is what the
+    backward keeps."""
+    n_cols = weight.shape[0]
+    with torch.autocast(x.device.type, enabled=False):
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= n_cols))
+        torch._assert_async(~bad.any(), "linear_cross_entropy: a target is outside [0, V) and not ignore_index")
+        targets = targets.contiguous()
+        logits = torch.mm(x, weight.t())  # (N, V), cuBLAS
+        loss_rows = x.new_empty(x.shape[0], dtype=torch.float32)
+        _cross_entropy_rows_(logits, targets, loss_rows, ignore_index, compute_grad)  # logits -> softmax - onehot
+        loss = loss_rows.sum()
+        if reduction == "mean":
+            loss = loss / (targets != ignore_index).sum()  # 0 / 0 = nan when all are ignored, as F.cross_entropy
+    return loss, logits
+
+
+@_saved_op.register_fake
+def _(x, weight, targets, ignore_index, reduction, compute_grad):
+    return x.new_empty((), dtype=torch.float32), x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _saved_setup_context(ctx, inputs, output):
+    x, weight, targets, ignore_index, reduction, _ = inputs
+    _, dlogits = output
+    ctx.mark_non_differentiable(dlogits)
+    ctx.save_for_backward(x, weight, dlogits, targets)
+    ctx.ignore_index = ignore_index
+    ctx.reduction = reduction
+
+
+def _saved_backward(ctx, grad_loss, _grad_dlogits):
+    x, weight, dlogits, targets = ctx.saved_tensors
+    if torch.is_grad_enabled():  # see _backward
+        raise RuntimeError("trainer::linear_cross_entropy does not support double backward (create_graph=True)")
+    scale = grad_loss.float()
+    if ctx.reduction == "mean":
+        scale = scale / (targets != ctx.ignore_index).sum().clamp(min=1)
+    # The two gradient matmuls on the unscaled dlogits, scaled after in fp32 (N x C and V x C values
+    # instead of N x V; under torch.compile the scaling fuses into the cast that follows).
+    dx = _scale(dlogits @ weight, scale) if ctx.needs_input_grad[0] else None
+    dw = _scale(dlogits.t() @ x, scale) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None, None, None
+
+
+_saved_op.register_autograd(_saved_backward, setup_context=_saved_setup_context)
+
+
 def linear_cross_entropy(
     x: Tensor,
     weight: Tensor,
@@ -314,6 +374,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    save_logit_grads: bool = False,
 ) -> Tensor:
     """``F.cross_entropy(x @ weight.T, targets)`` without materialising the (N, V) logits.
 
@@ -330,6 +391,12 @@ def linear_cross_entropy(
             ``F.cross_entropy``) or ``"sum"``.
         chunk_size: Most rows per chunk; chunks are then evened out. Default: as many as keep
             the chunk logits under 512 MiB (4096 rows of a 50304 vocabulary in bf16).
+        save_logit_grads: The other trade: one (N, V) logits buffer in the compute dtype (as
+            ``F.cross_entropy`` on compiled logits keeps), overwritten by the kernel with the logit
+            gradients and kept for the backward, where the two gradient matmuls run. The memory of
+            torch's compiled loss, with the loss kernel reading the logits once and writing their
+            gradient once instead of Inductor's two passes (forward and backward) over them.
+            ``chunk_size`` does not apply.
 
     Returns:
         The fp32 scalar loss.
@@ -356,6 +423,13 @@ def linear_cross_entropy(
         compute_dtype = x.dtype
     if compute_dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"linear_cross_entropy computes in fp32, bf16 or fp16, not {compute_dtype}")
+    if save_logit_grads:
+        if chunk_size is not None:
+            raise ValueError("chunk_size does not apply with save_logit_grads=True (one (N, V) buffer)")
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        xc, wc = x.to(compute_dtype), weight.to(compute_dtype)  # autograd casts the gradients back
+        loss, _ = _saved_op(xc, wc, targets, ignore_index, reduction, needs_grad)
+        return loss
     if chunk_size is None:
         chunk_size = _default_chunk_size(weight.shape[0], compute_dtype)
     elif chunk_size < 1:
