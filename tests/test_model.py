@@ -78,6 +78,7 @@ def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_st
     """model.attention: a named kernel gives the same loss and gradients as torch's own choice; a kernel the
     device cannot run is a config error naming the key (before anything is compiled), not a first-step crash."""
     from trainer.build import check_attention
+    from trainer.models.gpt import sdpa_backend
     from trainer.config import ConfigError, load_config
 
     idx = torch.randint(0, 64, (2, 16))
@@ -85,6 +86,7 @@ def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_st
     for name in ("auto", "math"):
         torch.manual_seed(0)
         model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16, attention=name)
+        assert model.transformer.h[0].attn.backend == sdpa_backend(name)  # the choice reached the attention
         loss = model(idx, idx)
         loss.backward()
         outs[name] = (loss.detach(), model.transformer.h[0].attn.c_attn.weight.grad)
@@ -99,19 +101,24 @@ def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_st
         load_config(None, ["model.attention=flash", "model.target=pkg.mod:make", "model.preset=null"])
 
 
-def test_triton_cross_entropy_matches_torch_in_the_gpt():
+def test_triton_cross_entropy_matches_torch_in_the_gpt(monkeypatch):
     """model.cross_entropy=triton (the loss kernel writing the logit gradients in the forward) gives the
     GPT the loss and gradients of F.cross_entropy (fp32 on CPU; the kernel's own tests cover bf16)."""
     from trainer.build import cross_entropy
     from trainer.config import load_config
 
+    import trainer.compile.kernels.linear_cross_entropy as lce
+
     idx = torch.randint(0, 64, (2, 16))
-    out = {}
+    out, calls = {}, []
+    rows = lce._cross_entropy_rows_
+    monkeypatch.setattr(lce, "_cross_entropy_rows_", lambda *a: calls.append(1) or rows(*a))
     for name in ("torch", "triton"):
         torch.manual_seed(0)
         model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16, cross_entropy=name)
         loss = model(idx, idx.roll(1, dims=1))
         loss.backward()
+        assert len(calls) == (name == "triton")  # the loss kernel ran for triton only
         out[name] = (loss.detach(), model.lm_head.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad)
     for a, b in zip(out["torch"], out["triton"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -49,6 +49,7 @@ def build_model(
         bias=bias,
         fused_loss=fused_loss,
         attention=attention,
+        cross_entropy=cross_entropy,
         **shape,
     )
     return GPT(cfg)
