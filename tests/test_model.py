@@ -78,8 +78,8 @@ def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_st
     """model.attention: a named kernel gives the same loss and gradients as torch's own choice; a kernel the
     device cannot run is a config error naming the key (before anything is compiled), not a first-step crash."""
     from trainer.build import check_attention
-    from trainer.models.gpt import sdpa_backend
     from trainer.config import ConfigError, load_config
+    from trainer.models.gpt import sdpa_backend
 
     idx = torch.randint(0, 64, (2, 16))
     outs = {}
@@ -104,10 +104,9 @@ def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_st
 def test_triton_cross_entropy_matches_torch_in_the_gpt(monkeypatch):
     """model.cross_entropy=triton (the loss kernel writing the logit gradients in the forward) gives the
     GPT the loss and gradients of F.cross_entropy (fp32 on CPU; the kernel's own tests cover bf16)."""
+    import trainer.compile.kernels.linear_cross_entropy as lce
     from trainer.build import cross_entropy
     from trainer.config import load_config
-
-    import trainer.compile.kernels.linear_cross_entropy as lce
 
     idx = torch.randint(0, 64, (2, 16))
     out, calls = {}, []
