@@ -125,6 +125,11 @@ def _fused_loss(x, w, t, chunk_size=None):
         return lce.linear_cross_entropy(x, w, t, chunk_size=chunk_size)
 
 
+def _saved_loss(x, w, t):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        return lce.linear_cross_entropy(x, w, t, save_logit_grads=True)
+
+
 def _measure(loss_fn, x, w, t) -> dict:
     def step():
         loss = loss_fn(x, w, t)
@@ -147,12 +152,14 @@ def _measure(loss_fn, x, w, t) -> dict:
 
 
 def _kernel_sweep(n_cols: int, rows: int) -> list[dict]:
-    """The row kernel alone on one (rows, V) bf16 chunk: 2 reads + 1 write of the chunk."""
+    """The row kernel alone on one (rows, V) bf16 chunk; GB/s counts 2 reads + 1 write of it (single-tile
+    configs read it once, so their GB/s overstates the traffic by 3/2)."""
     logits = torch.randn(rows, n_cols, device=DEVICE, dtype=torch.bfloat16)
     targets = torch.randint(0, n_cols, (rows,), device=DEVICE)
     loss = torch.empty(rows, device=DEVICE)
     results = []
-    configs = ((4096, 8192, 16384, 32768), (8, 16, 32)) if DEVICE == "cuda" else ((256, 1024), (4,))
+    # 65536 >= V: the whole row in one tile, read once (SINGLE_TILE); the others read it twice.
+    configs = ((8192, 16384, 32768, 65536), (8, 16, 32)) if DEVICE == "cuda" else ((256, 1024), (4,))
     for block_size in configs[0]:
         for num_warps in configs[1]:
             config = (block_size, 1 if DEVICE == "cuda" else None, num_warps)  # (BLOCK_SIZE, BLOCK_ROWS, warps)
@@ -180,6 +187,8 @@ def main() -> None:
         "compile": torch.compile(_eager_loss),
         "fused": lambda x, w, t: _fused_loss(x, w, t, ARGS.chunk_size),
         "fused+compile": torch.compile(lambda x, w, t: _fused_loss(x, w, t, ARGS.chunk_size), fullgraph=True),
+        "saved": _saved_loss,  # save_logit_grads=True: model.cross_entropy=triton
+        "saved+compile": torch.compile(_saved_loss, fullgraph=True),
     }
     results = {}
     for name, fn in variants.items():
@@ -200,7 +209,7 @@ def main() -> None:
             r = _measure(lambda x, w, t, rows=rows: _fused_loss(x, w, t, rows), x, w, t)
             chunk_sweep.append({"chunk_size": rows, "ms": r["ms"], "peak_bytes": r["peak_bytes"]})
             print(f"chunk {rows}: {chunk_sweep[-1]}", flush=True)
-        kernel_sweep = _kernel_sweep(v, min(n, 4096))
+        kernel_sweep = _kernel_sweep(v, n)  # all N rows: the save_logit_grads case
 
     report = {
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke, Triton interpreted)",

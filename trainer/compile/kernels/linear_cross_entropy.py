@@ -88,6 +88,7 @@ def _linear_cross_entropy_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
+    SINGLE_TILE: tl.constexpr = False,
 ):
     """Per-row cross-entropy of logits ``X`` (n_rows, n_cols); ``X`` becomes its gradient.
 
@@ -104,32 +105,49 @@ def _linear_cross_entropy_kernel(
     valid = row_mask & (target != ignore_index)
     X_rows = X_ptr + rows[:, None] * X_row_stride  # (BLOCK_ROWS, 1) row pointers
 
-    # Pass 1: online max and sum of exponentials. Every row has at least one column, so the
-    # running max is finite after the first block and exp(m - m_new) never sees -inf - -inf.
-    m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
-    d = tl.zeros([BLOCK_ROWS], tl.float32)
-    for off in range(0, n_cols, BLOCK_SIZE):
-        cols = off + tl.arange(0, BLOCK_SIZE)
-        z = tl.load(X_rows + cols[None, :], mask=cols[None, :] < n_cols, other=float("-inf"))
-        z = z.to(tl.float32)  # bf16 arithmetic is wrong in the interpreter; fp32 is what we want anyway
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-        m = m_new
-    lse = m + tl.log(d)
-    # The target logit, read before pass 2 overwrites it; ignored rows read nothing.
     safe_target = tl.where(valid, target, 0)
-    z_target = tl.load(X_ptr + rows * X_row_stride + safe_target, mask=valid, other=0.0).to(tl.float32)
-    tl.store(Loss_ptr + rows, tl.where(valid, lse - z_target, 0.0), mask=row_mask)
-
-    # Pass 2: the gradient of the summed loss, in place.
-    if COMPUTE_GRAD:
-        for off in range(0, n_cols, BLOCK_SIZE):
-            cols = off + tl.arange(0, BLOCK_SIZE)
-            mask = row_mask[:, None] & (cols[None, :] < n_cols)
-            z = tl.load(X_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == safe_target[:, None], 1.0, 0.0)
+    if SINGLE_TILE:
+        # The whole row in one tile (BLOCK_SIZE >= n_cols): read once, the gradient from the same registers.
+        cols = tl.arange(0, BLOCK_SIZE)
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        z = tl.load(X_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        m = tl.max(z, axis=1)
+        e = tl.exp(z - m[:, None])
+        d = tl.sum(e, axis=1)
+        lse = m + tl.log(d)
+        is_target = cols[None, :] == safe_target[:, None]
+        z_target = tl.sum(tl.where(is_target, z, 0.0), axis=1)
+        tl.store(Loss_ptr + rows, tl.where(valid, lse - z_target, 0.0), mask=row_mask)
+        if COMPUTE_GRAD:
+            grad = e * (1.0 / d)[:, None] - tl.where(is_target, 1.0, 0.0)
             grad = tl.where(valid[:, None], grad, 0.0)
             tl.store(X_rows + cols[None, :], grad.to(X_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: online max and sum of exponentials. Every row has at least one column, so the
+        # running max is finite after the first block and exp(m - m_new) never sees -inf - -inf.
+        m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+        d = tl.zeros([BLOCK_ROWS], tl.float32)
+        for off in range(0, n_cols, BLOCK_SIZE):
+            cols = off + tl.arange(0, BLOCK_SIZE)
+            z = tl.load(X_rows + cols[None, :], mask=cols[None, :] < n_cols, other=float("-inf"))
+            z = z.to(tl.float32)  # bf16 arithmetic is wrong in the interpreter; fp32 is what we want anyway
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+            m = m_new
+        lse = m + tl.log(d)
+        # The target logit, read before pass 2 overwrites it; ignored rows read nothing.
+        z_target = tl.load(X_ptr + rows * X_row_stride + safe_target, mask=valid, other=0.0).to(tl.float32)
+        tl.store(Loss_ptr + rows, tl.where(valid, lse - z_target, 0.0), mask=row_mask)
+
+        # Pass 2: the gradient of the summed loss, in place.
+        if COMPUTE_GRAD:
+            for off in range(0, n_cols, BLOCK_SIZE):
+                cols = off + tl.arange(0, BLOCK_SIZE)
+                mask = row_mask[:, None] & (cols[None, :] < n_cols)
+                z = tl.load(X_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == safe_target[:, None], 1.0, 0.0)
+                grad = tl.where(valid[:, None], grad, 0.0)
+                tl.store(X_rows + cols[None, :], grad.to(X_ptr.dtype.element_ty), mask=mask)
 
 
 # Interpreted only if TRITON_INTERPRET=1 was set both when `triton` was first imported (tl.max and
@@ -177,6 +195,7 @@ def _cross_entropy_rows_triton(
         BLOCK_ROWS=block_rows,
         BLOCK_SIZE=block_size,
         COMPUTE_GRAD=compute_grad,
+        SINGLE_TILE=block_size >= n_cols,
         num_warps=num_warps,
     )
 
