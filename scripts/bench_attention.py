@@ -42,7 +42,8 @@ def _time(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench(shape, backend: str, iters: int, ref=None) -> dict:
+def bench(shape, backend: str, iters: int, ref=None) -> dict | tuple[dict, dict]:
+    """``{"error": ...}`` where the backend cannot run; else (timings, outputs and gradients)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel

@@ -5,8 +5,9 @@
 Steps are delimited by the optimizer kernel (the last kernel whose name matches ``--step-kernel``);
 over the last ``--steps`` steps it prints: step time, time the compute streams are busy, NCCL
 kernel time, NCCL time not overlapped with compute, compute-idle time (nothing running: the host or
-an exposed wait), kernel time per category (matmul, attention, Inductor's Triton kernels, optimizer,
-NCCL, other) and the largest kernels. Works as well for one GPU (``BENCH_TRACE=dir python scripts/bench_step.py``).
+an exposed wait), kernel time per category (matmul, attention, Triton kernels: Inductor's and ours,
+optimizer with clipping, NCCL, other) and the largest kernels. Works as well for one GPU
+(``BENCH_TRACE=dir python scripts/bench_step.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from collections import defaultdict
 
 CATEGORIES = [  # first match wins
     ("nccl", r"nccl"),
-    ("attention", r"flash|fmha|cudnn|attention|sdpa|softmax_?bw"),
-    ("optimizer", r"adam|multi_tensor|foreach|sgd"),
+    ("optimizer", r"adam|multi_tensor|foreach|sgd"),  # with clipping's norm kernels (multi_tensor LpNorm)
+    ("triton", r"^triton_|^_\w*_kernel$"),  # Inductor's (whatever they fused) and ours (_name_kernel)
+    ("attention", r"flash|fmha|cudnn|attention|sdpa"),
     ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|wgmma|splitk"),
-    ("triton", r"^triton_|_kernel$"),
     ("other", r""),
 ]
 

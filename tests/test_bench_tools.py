@@ -70,5 +70,8 @@ def test_trace_gaps_splits_steps_at_the_optimizer_and_sums_each_category(tmp_pat
     out = analyse(str(path), steps=3, step_kernel="adam")
     assert "step 10.00 ms" in out and "compute busy 8.00 ms" in out and "compute idle 2.00 ms" in out
     assert "nccl 3.00 ms, of it not under compute 2.00 ms" in out
-    assert "nccl 3.00 ms | attention 2.00 ms | optimizer 1.00 ms | matmul 4.00 ms | triton 1.00 ms" in out
+    assert "nccl 3.00 ms | optimizer 1.00 ms | triton 1.00 ms | attention 2.00 ms | matmul 4.00 ms" in out
     assert category("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
+    assert category("triton_poi_fused__scaled_dot_product_flash_attention_3") == "triton"  # Inductor's, not SDPA
+    assert category("_linear_cross_entropy_kernel") == "triton"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_kernel0_0") == "attention"

@@ -377,3 +377,10 @@ def test_clipping_through_fused_adamw_grad_scale_equals_clip_grad_norm(device):
             torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
         for o in (ref_opt, opt):
             o.zero_grad(set_to_none=True)
+    # bf16 parameters (a model.target): the norm comes back in bf16; the divisor must still be fp32.
+    low = torch.nn.Linear(4, 4).to(device, torch.bfloat16)
+    low_opt = build_optimizer(low.parameters(), impl="fused", lr=1e-2, device=device)
+    low(torch.randn(8, 4, device=device, dtype=torch.bfloat16)).float().square().sum().backward()
+    _clip(low, low_opt, 0.01, clips_itself=False)
+    assert low_opt.grad_scale.dtype == torch.float32
+    low_opt.step()

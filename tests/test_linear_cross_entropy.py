@@ -385,6 +385,13 @@ def test_saved_logit_grads_under_autocast_equal_the_chunked_op():
     _check(grads[1][0], x, w, _reference(x, w, t), torch.bfloat16)
 
 
+def test_saved_logit_grads_backward_refuses_a_forward_without_gradients():
+    x, w, t = _inputs(7, 256, 16, torch.float32)
+    loss, _ = lce._saved_op(x, w, t, -100, "mean", False)  # the buffer still holds logits
+    with pytest.raises(RuntimeError, match="compute_grad=False"):
+        loss.backward()
+
+
 def test_saved_logit_grads_opcheck_and_compile_fullgraph():
     x, w, t = _inputs(33, 300, 16, torch.float32)
     torch.library.opcheck(lce._saved_op, (x, w, t, -100, "mean", True))

@@ -97,6 +97,9 @@ def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_st
     check_attention(load_config(None, ["model.attention=math"]), torch.device("cpu"), None)  # runs on CPU
     with pytest.raises(ConfigError, match=r"model.attention: 'cudnn' cannot run on cpu .*head size 64"):
         check_attention(cfg, torch.device("cpu"), None)
+    with pytest.raises(ConfigError, match=r"model.attention: 'flash' cannot run"):  # no CPU flash with dropout
+        check_attention(load_config(None, ["model.attention=flash", "model.dropout=0.1"]), torch.device("cpu"), None)
+    check_attention(load_config(None, ["model.attention=flash"]), torch.device("cpu"), None)
     with pytest.raises(ConfigError, match="model.attention: applies to the built-in GPT only"):
         load_config(None, ["model.attention=flash", "model.target=pkg.mod:make", "model.preset=null"])
 
@@ -124,3 +127,31 @@ def test_triton_cross_entropy_matches_torch_in_the_gpt(monkeypatch):
     auto = load_config(None, ["model.cross_entropy=auto"])
     assert cross_entropy(auto, torch.device("cpu")) == "torch"
     assert cross_entropy(auto, torch.device("cuda")) == "triton"
+
+
+def test_loss_kernel_config_rules_and_the_trainer_wires_the_choices(tmp_path):
+    """The trainer builds the GPT with the configured loss and attention kernels (a dropped argument made a GPU
+    A/B run measure torch's loss twice once); triton is refused with fp16 and beside an explicit fused loss,
+    and auto avoids both."""
+    from trainer.build import cross_entropy
+    from trainer.config import ConfigError, load_config
+    from trainer.loop import Trainer
+    from trainer.models.gpt import sdpa_backend
+
+    cfg = load_config(
+        None,
+        ["model.cross_entropy=triton", "model.attention=math", "train.steps=1", f"run.dir={tmp_path}",
+         "log.progress=false", "checkpoint.enabled=false", "train.eval_batches=1"],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.fit()
+    assert trainer.raw_model.cfg.cross_entropy == "triton"
+    assert trainer.raw_model.transformer.h[0].attn.backend == sdpa_backend("math")
+    with pytest.raises(ConfigError, match="model.cross_entropy: 'triton' does not support train.precision=fp16"):
+        load_config(None, ["model.cross_entropy=triton", "train.precision=fp16"])
+    with pytest.raises(ConfigError, match="model.cross_entropy: 'triton' and model.fused_loss=true"):
+        load_config(None, ["model.cross_entropy=triton", "model.fused_loss=true"])
+    cuda = torch.device("cuda")
+    assert cross_entropy(load_config(None, ["train.precision=fp16"]), cuda) == "torch"
+    assert cross_entropy(load_config(None, ["model.fused_loss=true"]), cuda) == "torch"
+    assert cross_entropy(load_config(None, ["compile.autograd=true"]), cuda) == "torch"  # fused loss by default

@@ -77,10 +77,12 @@ def fused_loss(cfg: Config, device: torch.device) -> bool:
 
 
 def cross_entropy(cfg: Config, device: torch.device) -> str:
-    """``model.cross_entropy`` with auto resolved: our Triton loss kernel on CUDA, F.cross_entropy elsewhere."""
+    """``model.cross_entropy`` with auto resolved: our Triton loss kernel on CUDA (not with fp16, where its weight
+    gradient could overflow, nor under the fused loss, which replaces it), F.cross_entropy elsewhere."""
     if cfg.model.cross_entropy != "auto":
         return cfg.model.cross_entropy
-    return "triton" if device.type == "cuda" and cfg.model.target is None else "torch"
+    usable = cfg.model.target is None and cfg.train.precision != "fp16" and not fused_loss(cfg, device)
+    return "triton" if device.type == "cuda" and usable else "torch"
 
 
 def check_attention(cfg: Config, device: torch.device, dtype) -> None:
@@ -102,14 +104,21 @@ def check_attention(cfg: Config, device: torch.device, dtype) -> None:
     preset = dict(PRESETS[m.preset]) if m.preset else {}
     n_head = m.n_head or preset.get("n_head", 1)
     head_dim = (m.n_embd or preset.get("n_embd", 64)) // n_head
-    q = torch.zeros(1, n_head, 16, head_dim, device=device, dtype=dtype or torch.float32, requires_grad=True)
+    d = cfg.distributed
+    if d.strategy == "fsdp" and d.param_dtype != "auto":  # FSDP computes in its parameter dtype
+        dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[d.param_dtype]
+    # The model's shape, sequence length, dropout and compute dtype: each can rule a kernel out.
+    q = torch.zeros(1, n_head, cfg.data.seq_len, head_dim, device=device, dtype=dtype or torch.float32)
+    q.requires_grad_()
     try:
         with warnings.catch_warnings(record=True) as said, sdpa_kernel(sdpa_backend(name)):
             warnings.simplefilter("always")
-            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=m.dropout, is_causal=True)
+            out.sum().backward()
     except RuntimeError as e:
         # torch gives its reasons as warnings ("... not used because ...") and then "No available kernel".
-        reasons = [str(w.message).strip().splitlines()[0] for w in said] or [str(e).strip().splitlines()[0]]
+        reasons = [str(w.message).strip().splitlines()[0] for w in said if "because" in str(w.message)]
+        reasons = reasons or [str(e).strip().splitlines()[0]]
         first = "; ".join(reasons[:2])
         raise ConfigError(
             f"model.attention: '{name}' cannot run on {device} with {str(q.dtype).removeprefix('torch.')} and "

@@ -68,7 +68,8 @@ class ModelConfig:
     cross_entropy: str = _f("auto", choices=["auto", "torch", "triton"])
     """Built-in GPT, when fused_loss is off: the loss over the (tokens x vocab) logits. torch: F.cross_entropy
     (compiled by Inductor); triton: our kernel writes the logits' gradient over them in the forward (one pass
-    instead of Inductor's two; same memory; +1.9% tok/s on gpt2-small, H100); auto: triton on CUDA, else torch."""
+    instead of Inductor's two; same memory; +1.9% tok/s on gpt2-small, H100); auto: triton on CUDA unless fp16 or
+    model.fused_loss is on, else torch."""
     attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
     with torch 2.11; see scripts/bench_attention.py). Checked on the device at startup."""
@@ -302,6 +303,16 @@ class Config:
             )
         if self.model.cross_entropy == "triton" and self.model.target is not None:
             raise ConfigError("model.cross_entropy: applies to the built-in GPT only; drop it with model.target")
+        if self.model.cross_entropy == "triton" and self.model.fused_loss:
+            raise ConfigError(
+                "model.cross_entropy: 'triton' and model.fused_loss=true are two different loss kernels; the fused "
+                "loss never materialises the logits (less memory), triton is faster: pick one"
+            )
+        if self.model.cross_entropy == "triton" and self.train.precision == "fp16":
+            raise ConfigError(
+                "model.cross_entropy: 'triton' does not support train.precision=fp16 (its weight gradient sums "
+                "unscaled logit gradients over all tokens and can overflow fp16); use torch, or bf16"
+            )
         if self.model.attention != "auto" and self.model.target is not None:
             raise ConfigError("model.attention: applies to the built-in GPT only; drop it with model.target")
         if self.model.fused_loss and self.model.target is not None:

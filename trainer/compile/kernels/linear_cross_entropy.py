@@ -361,10 +361,11 @@ def _(x, weight, targets, ignore_index, reduction, compute_grad):
 
 
 def _saved_setup_context(ctx, inputs, output):
-    x, weight, targets, ignore_index, reduction, _ = inputs
+    x, weight, targets, ignore_index, reduction, compute_grad = inputs
     _, dlogits = output
     ctx.mark_non_differentiable(dlogits)
     ctx.save_for_backward(x, weight, dlogits, targets)
+    ctx.compute_grad = compute_grad
     ctx.ignore_index = ignore_index
     ctx.reduction = reduction
 
@@ -373,6 +374,8 @@ def _saved_backward(ctx, grad_loss, _grad_dlogits):
     x, weight, dlogits, targets = ctx.saved_tensors
     if torch.is_grad_enabled():  # see _backward
         raise RuntimeError("trainer::linear_cross_entropy does not support double backward (create_graph=True)")
+    if not ctx.compute_grad:  # the buffer holds the logits, not their gradient
+        raise RuntimeError("trainer::linear_cross_entropy_saved was called with compute_grad=False but needs a grad")
     scale = grad_loss.float()
     if ctx.reduction == "mean":
         scale = scale / (targets != ctx.ignore_index).sum().clamp(min=1)
