@@ -153,6 +153,12 @@ def _spec(variant: str) -> dict:
     return parse_variant(variant, VARIANTS)
 
 
+def _trace_path(trace_dir: str, variant: str) -> str:
+    """Where a variant's GPU timeline goes: its name made file-safe."""
+    name = variant.replace("@", "_at_").replace("=", "-").replace("/", "_")
+    return os.path.join(trace_dir, f"{name}.json.gz")
+
+
 def _worker(a) -> None:
     spec = _spec(a.worker)
 
@@ -165,8 +171,7 @@ def _worker(a) -> None:
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             out = run()
-        name = a.worker.replace("@", "_at_").replace("=", "-").replace("/", "_")  # as in main()
-        prof.export_chrome_trace(os.path.join(trace_dir, f"{name}.json.gz"))
+        prof.export_chrome_trace(_trace_path(trace_dir, a.worker))
     else:
         out = run()
     print("RESULT " + json.dumps(out), flush=True)
@@ -255,8 +260,7 @@ def main() -> None:
         os.makedirs(a.trace, exist_ok=True)
         for v in variants:
             r = _spawn(a, v, caches[v], trace_dir=a.trace)
-            name = v.replace("@", "_at_").replace("=", "-").replace("/", "_")
-            path = os.path.join(a.trace, f"{name}.json.gz")
+            path = _trace_path(a.trace, v)
             print(f"[traced] {v}: {r.get('tokens_per_s', 0) / 1e3:.0f}K tok/s under the profiler", flush=True)
             if os.path.exists(path):
                 print(analyse(path, steps=3, step_kernel="adam"), flush=True)

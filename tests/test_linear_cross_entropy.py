@@ -191,17 +191,16 @@ def test_double_backward_is_refused():
         torch.autograd.grad(linear_cross_entropy(x, w, t), x, create_graph=True)
 
 
-@pytest.mark.parametrize("block_size", [128, 1024], ids=["two-pass", "single-tile"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_kernel_column_and_row_blocks(dtype, block_size):
-    # Forced blocks: 8 column blocks (the last 104 wide), or the whole row in one tile (read once),
-    # and 2 row blocks (the last one half empty), against the PyTorch rows function on the same logits.
+def test_kernel_column_and_row_blocks(dtype):
+    # Forced small blocks: 8 column blocks (the last 104 wide) and 2 row blocks (the last one
+    # half empty), against the PyTorch rows function on the same logits.
     logits = (torch.randn(7, 1000) * 3).to(DEVICE, dtype)
     t = torch.randint(0, 1000, (7,), device=DEVICE)
     t[2] = -100
     got, want = logits.clone(), logits.clone()
     loss_got, loss_want = torch.empty(7, device=DEVICE), torch.empty(7, device=DEVICE)
-    lce._cross_entropy_rows_triton(got, t, loss_got, -100, True, block_size=block_size, block_rows=4)
+    lce._cross_entropy_rows_triton(got, t, loss_got, -100, True, block_size=128, block_rows=4)
     _ROWS_TORCH(want, t, loss_want, -100, True)
     # fp32: observed 4.8e-7 (exp/log rounding, another summation order). bf16: the stored
     # gradient may differ by one bf16 ulp (2^-8 in [0.5, 1)): truncation in the interpreter.

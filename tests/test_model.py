@@ -155,3 +155,7 @@ def test_loss_kernel_config_rules_and_the_trainer_wires_the_choices(tmp_path):
     assert cross_entropy(load_config(None, ["train.precision=fp16"]), cuda) == "torch"
     assert cross_entropy(load_config(None, ["model.fused_loss=true"]), cuda) == "torch"
     assert cross_entropy(load_config(None, ["compile.autograd=true"]), cuda) == "torch"  # fused loss by default
+    from trainer.build import fused_loss
+
+    asked = load_config(None, ["compile.autograd=true", "model.cross_entropy=triton"])
+    assert not fused_loss(asked, cuda) and cross_entropy(asked, cuda) == "triton"  # not silently replaced

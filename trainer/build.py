@@ -63,7 +63,8 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
 
 
 def fused_loss(cfg: Config, device: torch.device) -> bool:
-    """``model.fused_loss``, with null resolved: on for the built-in GPT under compiled autograd on a GPU.
+    """``model.fused_loss``, with null resolved: on for the built-in GPT under compiled autograd on a GPU
+    (unless ``model.cross_entropy: triton`` asks for the other loss kernel).
 
     Why: AOTAutograd lets Inductor write the logits' gradient into the saved logits buffer ("donated
     buffers"), but only in its own backward graphs; compiled autograd's graph is compiled as an inference
@@ -73,7 +74,8 @@ def fused_loss(cfg: Config, device: torch.device) -> bool:
     """
     if cfg.model.fused_loss is not None:
         return cfg.model.fused_loss
-    return cfg.compile.autograd and cfg.model.target is None and device.type == "cuda"
+    explicit_other = cfg.model.cross_entropy == "triton"  # asked for by name: not silently replaced
+    return cfg.compile.autograd and cfg.model.target is None and device.type == "cuda" and not explicit_other
 
 
 def cross_entropy(cfg: Config, device: torch.device) -> str:
@@ -97,16 +99,17 @@ def check_attention(cfg: Config, device: torch.device, dtype) -> None:
         return
     from torch.nn.attention import sdpa_kernel
 
+    from trainer.distributed.fsdp import DTYPES
+    from trainer.models import GPTConfig, gpt_shape
     from trainer.models.gpt import sdpa_backend
-    from trainer.models.presets import PRESETS
 
     m = cfg.model
-    preset = dict(PRESETS[m.preset]) if m.preset else {}
-    n_head = m.n_head or preset.get("n_head", 1)
-    head_dim = (m.n_embd or preset.get("n_embd", 64)) // n_head
+    shape = {**vars(GPTConfig()), **gpt_shape(m.preset, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd)}
+    n_head = shape["n_head"]
+    head_dim = shape["n_embd"] // n_head
     d = cfg.distributed
     if d.strategy == "fsdp" and d.param_dtype != "auto":  # FSDP computes in its parameter dtype
-        dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[d.param_dtype]
+        dtype = DTYPES[d.param_dtype]
     # The model's shape, sequence length, dropout and compute dtype: each can rule a kernel out.
     q = torch.zeros(1, n_head, cfg.data.seq_len, head_dim, device=device, dtype=dtype or torch.float32)
     q.requires_grad_()

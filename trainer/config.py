@@ -64,7 +64,8 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms, as GPT-2."""
     fused_loss: bool | None = None
     """Fused linear + cross-entropy Triton kernel for the head and loss (never materialises the logits);
-    null = on with compile.autograd on a GPU (see scripts/results/notes_compiled_autograd.md), else off."""
+    null = on with compile.autograd on a GPU (see scripts/results/notes_compiled_autograd.md) unless
+    model.cross_entropy=triton, else off."""
     cross_entropy: str = _f("auto", choices=["auto", "torch", "triton"])
     """Built-in GPT, when fused_loss is off: the loss over the (tokens x vocab) logits. torch: F.cross_entropy
     (compiled by Inductor); triton: our kernel writes the logits' gradient over them in the forward (one pass
@@ -301,8 +302,6 @@ class Config:
                 "compile.autograd: compiled autograd with distributed.strategy=fsdp is silently wrong in torch "
                 ">= 2.13 (parameters stay unsharded, gradients are not reduced); set compile.autograd=false"
             )
-        if self.model.cross_entropy == "triton" and self.model.target is not None:
-            raise ConfigError("model.cross_entropy: applies to the built-in GPT only; drop it with model.target")
         if self.model.cross_entropy == "triton" and self.model.fused_loss:
             raise ConfigError(
                 "model.cross_entropy: 'triton' and model.fused_loss=true are two different loss kernels; the fused "
@@ -313,10 +312,12 @@ class Config:
                 "model.cross_entropy: 'triton' does not support train.precision=fp16 (its weight gradient sums "
                 "unscaled logit gradients over all tokens and can overflow fp16); use torch, or bf16"
             )
-        if self.model.attention != "auto" and self.model.target is not None:
-            raise ConfigError("model.attention: applies to the built-in GPT only; drop it with model.target")
-        if self.model.fused_loss and self.model.target is not None:
-            raise ConfigError("model.fused_loss: only the built-in GPT has a fused loss; drop it with model.target")
+        m = self.model
+        builtin_only = {"fused_loss": m.fused_loss, "cross_entropy": m.cross_entropy == "triton",
+                        "attention": m.attention != "auto"}  # fmt: skip
+        for key, chosen in builtin_only.items():
+            if chosen and m.target is not None:
+                raise ConfigError(f"model.{key}: applies to the built-in GPT only; drop it with model.target")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from trainer.models.gpt import GPT, PRESETS, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "loss_of", "flops_per_token"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "build_model", "gpt_shape", "loss_of", "flops_per_token"]
 
 
 def build_model(
@@ -40,8 +40,7 @@ def build_model(
     """
     if target is not None:
         return _build_user_model(target, kwargs or {})
-    shape = dict(PRESETS[preset]) if preset else {}
-    shape.update({k: v for k, v in dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd).items() if v is not None})
+    shape = gpt_shape(preset, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     cfg = GPTConfig(
         vocab_size=vocab_size,
         block_size=seq_len,
@@ -53,6 +52,13 @@ def build_model(
         **shape,
     )
     return GPT(cfg)
+
+
+def gpt_shape(preset: str | None, **overrides: int | None) -> dict:
+    """The built-in GPT's ``n_layer``/``n_head``/``n_embd``: the preset's, with the given non-None overrides."""
+    shape = dict(PRESETS[preset]) if preset else {}
+    shape.update({k: v for k, v in overrides.items() if v is not None})
+    return shape
 
 
 def _build_user_model(target: str, kwargs: dict) -> nn.Module:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer.models.presets import PRESETS  # noqa: F401 - re-exported
 
@@ -30,8 +31,6 @@ def sdpa_backend(name: str):
     """The ``torch.nn.attention.SDPBackend`` for a ``model.attention`` name; None for auto."""
     if name == "auto":
         return None
-    from torch.nn.attention import SDPBackend
-
     return {
         "flash": SDPBackend.FLASH_ATTENTION,
         "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -60,8 +59,6 @@ class CausalSelfAttention(nn.Module):
         if self.backend is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
-            from torch.nn.attention import sdpa_kernel
-
             with sdpa_kernel(self.backend):  # traced by Dynamo: the choice is made at trace time
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
@@ -143,15 +140,13 @@ class GPT(nn.Module):
         """
         x = self.transformer.ln_f(x)
         B, T, C = x.shape
-        if self.cfg.fused_loss:
+        if self.cfg.fused_loss or self.cfg.cross_entropy == "triton":
             from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy
 
-            return linear_cross_entropy(x.reshape(B * T, C), self.lm_head.weight, targets.reshape(B * T))
-        if self.cfg.cross_entropy == "triton":
-            from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy
-
+            # fused: chunked, never the whole logits; triton: the whole logits, their gradient saved.
+            saved = not self.cfg.fused_loss
             return linear_cross_entropy(
-                x.reshape(B * T, C), self.lm_head.weight, targets.reshape(B * T), save_logit_grads=True
+                x.reshape(B * T, C), self.lm_head.weight, targets.reshape(B * T), save_logit_grads=saved
             )
         logits = self.lm_head(x)  # (B, T, V)
         return F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(B * T), ignore_index=-100)

@@ -88,7 +88,6 @@ def _linear_cross_entropy_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
-    SINGLE_TILE: tl.constexpr = False,
 ):
     """Per-row cross-entropy of logits ``X`` (n_rows, n_cols); ``X`` becomes its gradient.
 
@@ -105,49 +104,32 @@ def _linear_cross_entropy_kernel(
     valid = row_mask & (target != ignore_index)
     X_rows = X_ptr + rows[:, None] * X_row_stride  # (BLOCK_ROWS, 1) row pointers
 
+    # Pass 1: online max and sum of exponentials. Every row has at least one column, so the
+    # running max is finite after the first block and exp(m - m_new) never sees -inf - -inf.
+    m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+    d = tl.zeros([BLOCK_ROWS], tl.float32)
+    for off in range(0, n_cols, BLOCK_SIZE):
+        cols = off + tl.arange(0, BLOCK_SIZE)
+        z = tl.load(X_rows + cols[None, :], mask=cols[None, :] < n_cols, other=float("-inf"))
+        z = z.to(tl.float32)  # bf16 arithmetic is wrong in the interpreter; fp32 is what we want anyway
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m = m_new
+    lse = m + tl.log(d)
+    # The target logit, read before pass 2 overwrites it; ignored rows read nothing.
     safe_target = tl.where(valid, target, 0)
-    if SINGLE_TILE:
-        # The whole row in one tile (BLOCK_SIZE >= n_cols): read once, the gradient from the same registers.
-        cols = tl.arange(0, BLOCK_SIZE)
-        mask = row_mask[:, None] & (cols[None, :] < n_cols)
-        z = tl.load(X_rows + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        m = tl.max(z, axis=1)
-        e = tl.exp(z - m[:, None])
-        d = tl.sum(e, axis=1)
-        lse = m + tl.log(d)
-        is_target = cols[None, :] == safe_target[:, None]
-        z_target = tl.sum(tl.where(is_target, z, 0.0), axis=1)
-        tl.store(Loss_ptr + rows, tl.where(valid, lse - z_target, 0.0), mask=row_mask)
-        if COMPUTE_GRAD:
-            grad = e * (1.0 / d)[:, None] - tl.where(is_target, 1.0, 0.0)
-            grad = tl.where(valid[:, None], grad, 0.0)
-            tl.store(X_rows + cols[None, :], grad.to(X_ptr.dtype.element_ty), mask=mask)
-    else:
-        # Pass 1: online max and sum of exponentials. Every row has at least one column, so the
-        # running max is finite after the first block and exp(m - m_new) never sees -inf - -inf.
-        m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
-        d = tl.zeros([BLOCK_ROWS], tl.float32)
+    z_target = tl.load(X_ptr + rows * X_row_stride + safe_target, mask=valid, other=0.0).to(tl.float32)
+    tl.store(Loss_ptr + rows, tl.where(valid, lse - z_target, 0.0), mask=row_mask)
+
+    # Pass 2: the gradient of the summed loss, in place.
+    if COMPUTE_GRAD:
         for off in range(0, n_cols, BLOCK_SIZE):
             cols = off + tl.arange(0, BLOCK_SIZE)
-            z = tl.load(X_rows + cols[None, :], mask=cols[None, :] < n_cols, other=float("-inf"))
-            z = z.to(tl.float32)  # bf16 arithmetic is wrong in the interpreter; fp32 is what we want anyway
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-            m = m_new
-        lse = m + tl.log(d)
-        # The target logit, read before pass 2 overwrites it; ignored rows read nothing.
-        z_target = tl.load(X_ptr + rows * X_row_stride + safe_target, mask=valid, other=0.0).to(tl.float32)
-        tl.store(Loss_ptr + rows, tl.where(valid, lse - z_target, 0.0), mask=row_mask)
-
-        # Pass 2: the gradient of the summed loss, in place.
-        if COMPUTE_GRAD:
-            for off in range(0, n_cols, BLOCK_SIZE):
-                cols = off + tl.arange(0, BLOCK_SIZE)
-                mask = row_mask[:, None] & (cols[None, :] < n_cols)
-                z = tl.load(X_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == safe_target[:, None], 1.0, 0.0)
-                grad = tl.where(valid[:, None], grad, 0.0)
-                tl.store(X_rows + cols[None, :], grad.to(X_ptr.dtype.element_ty), mask=mask)
+            mask = row_mask[:, None] & (cols[None, :] < n_cols)
+            z = tl.load(X_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == safe_target[:, None], 1.0, 0.0)
+            grad = tl.where(valid[:, None], grad, 0.0)
+            tl.store(X_rows + cols[None, :], grad.to(X_ptr.dtype.element_ty), mask=mask)
 
 
 # Interpreted only if TRITON_INTERPRET=1 was set both when `triton` was first imported (tl.max and
@@ -195,7 +177,6 @@ def _cross_entropy_rows_triton(
         BLOCK_ROWS=block_rows,
         BLOCK_SIZE=block_size,
         COMPUTE_GRAD=compute_grad,
-        SINGLE_TILE=block_size >= n_cols,
         num_warps=num_warps,
     )
 
@@ -236,6 +217,12 @@ def _balanced_chunk_rows(n_rows: int, chunk_size: int) -> int:
     return max(1, -(-n_rows // n_chunks))
 
 
+def _check_targets(targets: Tensor, ignore_index: int, n_cols: int) -> None:
+    """On the device, no sync: fail when a target is neither in [0, V) nor ignore_index."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= n_cols))
+    torch._assert_async(~bad.any(), "linear_cross_entropy: a target is outside [0, V) and not ignore_index")
+
+
 @torch.library.custom_op("trainer::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy_op(
     x: Tensor,
@@ -255,8 +242,7 @@ def _linear_cross_entropy_op(
     """
     n_rows, n_cols = x.shape[0], weight.shape[0]
     with torch.autocast(x.device.type, enabled=False):  # dtypes are explicit below
-        bad = (targets != ignore_index) & ((targets < 0) | (targets >= n_cols))
-        torch._assert_async(~bad.any(), "linear_cross_entropy: a target is outside [0, V) and not ignore_index")
+        _check_targets(targets, ignore_index, n_cols)
         targets = targets.contiguous()
         w = weight.to(compute_dtype)  # (V, C); no copy when the dtypes already match
         loss_rows = x.new_empty(n_rows, dtype=torch.float32)
@@ -309,17 +295,23 @@ def _scale(grad: Tensor, scale: Tensor) -> Tensor:
     return (grad.float() * scale).to(grad.dtype)
 
 
-def _backward(ctx, grad_loss, _grad_dx, _grad_dw):
-    dx, dw, targets = ctx.saved_tensors
+def _backward_scale(ctx, grad_loss: Tensor, targets: Tensor) -> Tensor:
+    """The fp32 factor on the gradients of the summed row losses: grad_output, over n_valid for "mean"."""
     if torch.is_grad_enabled():
         # create_graph=True: the saved gradients carry no graph back to x and weight, so a
         # second derivative would silently miss the softmax Hessian. AOTAutograd and compiled
-        # autograd trace this function with grad mode off.
+        # autograd trace the backward with grad mode off.
         raise RuntimeError("trainer::linear_cross_entropy does not support double backward (create_graph=True)")
     scale = grad_loss.float()
     if ctx.reduction == "mean":
         # All rows ignored: the saved gradients are zero and so are F.cross_entropy's.
         scale = scale / (targets != ctx.ignore_index).sum().clamp(min=1)
+    return scale
+
+
+def _backward(ctx, grad_loss, _grad_dx, _grad_dw):
+    dx, dw, targets = ctx.saved_tensors
+    scale = _backward_scale(ctx, grad_loss, targets)
     grads = []
     for needed, saved, name in ((ctx.needs_input_grad[0], dx, "grad_x"), (ctx.needs_input_grad[1], dw, "grad_weight")):
         if not needed:
@@ -343,8 +335,7 @@ def _saved_op(
     backward keeps."""
     n_cols = weight.shape[0]
     with torch.autocast(x.device.type, enabled=False):
-        bad = (targets != ignore_index) & ((targets < 0) | (targets >= n_cols))
-        torch._assert_async(~bad.any(), "linear_cross_entropy: a target is outside [0, V) and not ignore_index")
+        _check_targets(targets, ignore_index, n_cols)
         targets = targets.contiguous()
         logits = torch.mm(x, weight.t())  # (N, V), cuBLAS
         loss_rows = x.new_empty(x.shape[0], dtype=torch.float32)
@@ -372,13 +363,9 @@ def _saved_setup_context(ctx, inputs, output):
 
 def _saved_backward(ctx, grad_loss, _grad_dlogits):
     x, weight, dlogits, targets = ctx.saved_tensors
-    if torch.is_grad_enabled():  # see _backward
-        raise RuntimeError("trainer::linear_cross_entropy does not support double backward (create_graph=True)")
     if not ctx.compute_grad:  # the buffer holds the logits, not their gradient
         raise RuntimeError("trainer::linear_cross_entropy_saved was called with compute_grad=False but needs a grad")
-    scale = grad_loss.float()
-    if ctx.reduction == "mean":
-        scale = scale / (targets != ctx.ignore_index).sum().clamp(min=1)
+    scale = _backward_scale(ctx, grad_loss, targets)
     # The two gradient matmuls on the unscaled dlogits, scaled after in fp32 (N x C and V x C values
     # instead of N x V; under torch.compile the scaling fuses into the cast that follows).
     dx = _scale(dlogits @ weight, scale) if ctx.needs_input_grad[0] else None
