@@ -35,8 +35,9 @@ def main(out_dir: str) -> None:
     expect = {n: p.grad for n, p in ref.named_parameters()}
     result = {}
 
-    # 1. eager, and 2. compiled with the plan splitter (pieces recorded), 3. compiled autograd (graph ops recorded).
-    for variant in ("eager", "split", "ca"):
+    # 1. eager, and 2. compiled with the plan splitter (pieces recorded), 3. compiled autograd (graph ops recorded),
+    # 4. eager with buckets reduced in bf16.
+    for variant in ("eager", "split", "ca", "bf16"):
         raw = model()
         plan = plan_buckets(raw, bucket_mb=0.01)  # 10 KiB: one block per bucket for this size
         compiled_pieces, ca_ops = [], []
@@ -50,8 +51,12 @@ def main(out_dir: str) -> None:
             return gm.forward
 
         splitter = PlanSplitter(plan, record_piece)
-        fwd = raw if variant == "eager" else torch.compile(raw, backend=splitter if variant == "split" else "eager")
-        dp = DataParallel(fwd, plan)
+        fwd = (
+            raw
+            if variant in ("eager", "bf16")
+            else torch.compile(raw, backend=splitter if variant == "split" else "eager")
+        )
+        dp = DataParallel(fwd, plan, reduce_dtype=torch.bfloat16 if variant == "bf16" else None)
         ctx = (lambda: compiled_autograd(backend=record_ca)) if variant == "ca" else torch.enable_grad
         for _ in range(2):  # the second step reuses the compiled graphs and the buffers
             for p in raw.parameters():
@@ -60,8 +65,11 @@ def main(out_dir: str) -> None:
                 dp(x[mine], y[mine]).backward()
             dp.finish_grad_sync()
         err = max((p.grad - expect[n]).abs().max().item() for n, p in raw.named_parameters())
+        rel = max(((p.grad - expect[n]).abs().max() / expect[n].abs().max()).item() for n, p in raw.named_parameters())
         result[variant] = {
             "max_grad_err": err,
+            "max_rel_grad_err": rel,
+            "grad_dtypes": sorted({str(p.grad.dtype) for p in raw.parameters()}),
             "buckets": [list(b.names) for b in plan.buckets],
             "units": [list(b.units) for b in plan.buckets],
             "pieces": splitter.pieces,

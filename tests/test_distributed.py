@@ -103,6 +103,13 @@ def test_plan_split_and_reduction_inside_the_backward_graph(tmp_path):
         assert split["n_compiled_pieces"] == 6 and not split["misaligned"]
         # Compiled autograd: one all-reduce per bucket, inside the captured backward graph.
         assert res["ca"]["ca_all_reduces"] == 6
+        # distributed.reduce_dtype=bf16: each rank's gradient rounded to bf16 (8 bits of mantissa) before the
+        # sum, the result cast back to the parameters' fp32. Not exact (so bf16 was on the wire), and within a
+        # few bf16 roundings (2^-8 = 3.9e-3) of each tensor's largest gradient: the ranks' gradients, which are
+        # rounded, can be larger than their mean (observed 5.6e-3).
+        bf16 = res["bf16"]
+        assert bf16["grad_dtypes"] == ["torch.float32"]
+        assert 1e-4 < bf16["max_rel_grad_err"] < 2e-2, bf16["max_rel_grad_err"]
 
 
 def test_save_on_two_ranks_resume_on_one(one_process, tmp_path):

@@ -172,7 +172,9 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
 
         model = apply_compile(model, cfg.compile, say=say, backend=splitter)
     if plan is not None:
-        model = ddp.DataParallel(model, plan)
+        from trainer.distributed.fsdp import DTYPES
+
+        model = ddp.DataParallel(model, plan, reduce_dtype=DTYPES[cfg.distributed.reduce_dtype])
     return model, splitter
 
 

@@ -203,7 +203,8 @@ class DistributedConfig:
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
     """FSDP: dtype parameters are gathered in for compute; auto = train.precision's (bf16 on GPU)."""
     reduce_dtype: str = _f("fp32", choices=["fp32", "bf16"])
-    """FSDP: dtype gradients are reduce-scattered in."""
+    """DDP and FSDP: dtype gradients are reduced in. bf16 halves the bytes on the wire (for fp32 gradients) and
+    rounds each rank's gradient to bf16 before the sum; fp32 reduces them exactly as computed."""
 
 
 @dataclass(kw_only=True)

@@ -50,9 +50,20 @@ class DataParallel(nn.Module):
         plan: the bucket plan of the unwrapped model.
         group: the process group (default: the world).
         broadcast: copy rank 0's parameters and buffers to every rank first.
+        reduce_dtype: dtype the buckets are all-reduced in (None: the gradients' own). A narrower one
+            (bf16 for fp32 gradients) halves the bytes on the wire and rounds each rank's gradient to it
+            before the sum; the reduced bucket is cast back to the gradients' dtype.
     """
 
-    def __init__(self, module: nn.Module, plan: BucketPlan, group=None, *, broadcast: bool = True):
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: BucketPlan,
+        group=None,
+        *,
+        broadcast: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.module = module
         self.plan = plan
@@ -61,6 +72,7 @@ class DataParallel(nn.Module):
         self._op = "avg" if dist.get_backend(self._group) == "nccl" else "sum"
         self._scale = 1.0 if self._op == "avg" else 1.0 / dist.get_world_size(self._group)
         self._sync = True
+        self._reduce_dtype = reduce_dtype
         n = len(plan.buckets)
         self._counts = [len(b.params) for b in plan.buckets]
         self._ready = [0] * n
@@ -111,6 +123,8 @@ class DataParallel(nn.Module):
 
         grads = [p.grad.reshape(-1) for p in self.plan.buckets[b].params]
         flat = torch.cat(grads)
+        if self._reduce_dtype is not None and flat.dtype != self._reduce_dtype:
+            flat = flat.to(self._reduce_dtype)
         if self._scale != 1.0:
             flat = flat * self._scale
         self._reduced[b] = funcol.all_reduce(flat, self._op, self._group)
@@ -130,6 +144,7 @@ class DataParallel(nn.Module):
         for bucket in self.plan.buckets:
             flat = self._reduced[bucket.index]
             flat = flat.wait() if hasattr(flat, "wait") else flat  # AsyncCollectiveTensor in eager
+            flat = flat.to(bucket.params[0].dtype)  # back from reduce_dtype (no copy when it is the same)
             offset = 0
             for p in bucket.params:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
