@@ -12,8 +12,10 @@ Every (variant, world) runs under ``torch.distributed.run`` in fresh processes. 
 - ``nosplit``: the same with ``torch._dynamo.config.optimize_ddp = False`` (one graph; all
   all-reduces after the whole backward).
 - ``fsdp-eager``: FSDP2 ``fully_shard`` per block and root, bf16 parameters, fp32 reduction, eager.
-- ``ours-ddp`` / ``ours-ddp-ca`` / ``ours-fsdp``: ``trainer fit`` with strategy ddp (compiled,
-  graph split at our bucket plan), the same with compiled autograd, and fsdp (compiled blocks).
+- ``ours-ddp`` / ``ours-ddp-ca`` / ``ours-ddp-graphed`` / ``ours-fsdp``: ``trainer fit`` with strategy ddp
+  (compiled, graph split at our bucket plan), the same with compiled autograd, the same with the whole
+  step (all-reduces included) replayed as one CUDA graph (``compile.cudagraphs``; at world 1 the
+  single-GPU graphed step), and fsdp (compiled blocks).
 
 The baselines are loops a user writes: bf16 autocast, fused AdamW, ``clip_grad_norm_`` (1.0), the
 same batches. They are timed over the whole window of timed steps with one synchronisation at each
@@ -57,6 +59,8 @@ VARIANTS = {
     "ours-ddp": {"kind": "ours", "overrides": ["distributed.strategy=ddp", "compile.enabled=true"]},
     "ours-ddp-ca": {"kind": "ours",
                     "overrides": ["distributed.strategy=ddp", "compile.enabled=true", "compile.autograd=true"]},
+    "ours-ddp-graphed": {"kind": "ours",
+                         "overrides": ["distributed.strategy=ddp", "compile.enabled=true", "compile.cudagraphs=true"]},
     "ours-fsdp": {"kind": "ours", "overrides": ["distributed.strategy=fsdp", "compile.enabled=true"]},
 }  # fmt: skip
 
@@ -169,7 +173,10 @@ def _worker(a) -> None:
     if trace_dir and int(os.environ.get("RANK", "0")) == 0:
         import torch
 
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        acts = [torch.profiler.ProfilerActivity.CUDA]
+        if os.environ.get("BENCH_TRACE_CPU"):  # host events too: trace_gaps.py splits idle into host and device
+            acts.append(torch.profiler.ProfilerActivity.CPU)
+        with torch.profiler.profile(activities=acts) as prof:
             out = run_user(a, spec) if spec["kind"] == "user" else run_ours(a, spec["overrides"])
         world = os.environ["WORLD_SIZE"]
         prof.export_chrome_trace(os.path.join(trace_dir, f"{a.worker}_w{world}.json.gz"))

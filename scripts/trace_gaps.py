@@ -8,6 +8,10 @@ kernel time, NCCL time not overlapped with compute, compute-idle time (nothing r
 an exposed wait), kernel time per category (matmul, attention, Triton kernels: Inductor's and ours,
 optimizer with clipping, NCCL, other) and the largest kernels. Works as well for one GPU
 (``BENCH_TRACE=dir python scripts/bench_step.py``).
+
+With host events in the trace (``BENCH_TRACE_CPU=1``) it also splits the compute-idle time: a gap
+between two compute kernels is the host's when the second kernel was launched after the first one
+ended (the GPU ran out of work), otherwise a wait on the device (on NCCL, or an event).
 """
 
 from __future__ import annotations
@@ -89,8 +93,32 @@ def analyse(path: str, steps: int, step_kernel: str) -> str:
     for e in window:
         by_cat[category(e["name"])] += e["dur"]
     lines.append("  by category: " + " | ".join(f"{c} {by_cat[c] / per:.2f} ms" for c, _ in CATEGORIES if by_cat[c]))
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")  # Triton launches through the driver (cuLaunchKernel)
+        and "correlation" in e.get("args", {})
+        and "Launch" in e.get("name", "")
+    }
+    if launches:
+        lines.append("  " + _idle_split([e for e in window if "nccl" not in e["name"].lower()], launches, per))
     lines += [f"    {t / per:7.3f} ms  {n}" for n, t in top]
     return "\n".join(lines)
+
+
+def _idle_split(compute: list[dict], launches: dict[int, float], per: float) -> str:
+    """Compute-idle time split into the host's (next kernel launched late) and the device's (a wait)."""
+    host = device = 0.0
+    busy_until = compute[0]["ts"] + compute[0]["dur"]
+    for e in compute[1:]:
+        gap = e["ts"] - busy_until
+        if gap > 0:
+            launched = launches.get(e["args"].get("correlation"))
+            late = 0.0 if launched is None else min(gap, max(0.0, launched - busy_until))
+            host += late
+            device += gap - late
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+    return f"idle: host {host / per:.2f} ms (kernel launched after the GPU ran dry) | device {device / per:.2f} ms (waits, kernel-to-kernel latency)"
 
 
 def main() -> None:

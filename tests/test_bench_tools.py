@@ -75,3 +75,19 @@ def test_trace_gaps_splits_steps_at_the_optimizer_and_sums_each_category(tmp_pat
     assert category("triton_poi_fused__scaled_dot_product_flash_attention_3") == "triton"  # Inductor's, not SDPA
     assert category("_linear_cross_entropy_kernel") == "triton"
     assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_kernel0_0") == "attention"
+
+    # With host events: the Triton kernel (after the 2 ms idle gap) was launched 1.5 ms into the gap, so
+    # 1.5 ms of the idle time is the host's and 0.5 ms a device-side wait.
+    for e in events:
+        e.setdefault("args", {})["correlation"] = id(e)
+    events += [
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": e["ts"] - (500 if "triton" in e["name"] else 2000),
+         "dur": 5, "args": {"correlation": id(e)}}
+        for e in list(events)
+    ]  # fmt: skip
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = analyse(str(path), steps=3, step_kernel="adam")
+    assert (
+        "idle: host 1.50 ms (kernel launched after the GPU ran dry) | device 0.50 ms (waits, kernel-to-kernel latency)"
+        in out
+    ), out

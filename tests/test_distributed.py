@@ -187,6 +187,26 @@ def test_two_gpus_reproduce_one_gpu(variant, tmp_path):
         assert abs(a[step] - b[step]) < 1e-3, (step, a[step], b[step])
 
 
+@pytest.mark.multi_gpu
+def test_graphed_ddp_step_equals_ungraphed_on_two_gpus(tmp_path):
+    """compile.cudagraphs with ddp: the bucket all-reduces captured in the step's CUDA graph (fp32, accumulation,
+    clipping, 12 steps): the replays give the ungraphed run's losses, and the graph was captured."""
+    common = [*COMMON, "train.steps=12", "train.device=cuda", "train.precision=fp32", "distributed.strategy=ddp",
+              "compile.enabled=true", "distributed.bucket_mb=0.01", "train.micro_batch_size=2", "train.grad_accum=2",
+              "optim.grad_clip=1.0", "model.dropout=0.0"]  # fmt: skip
+    runs = {}
+    for graphs in ("false", "true"):
+        r = _torchrun(2, *common, f"compile.cudagraphs={graphs}", f"run.dir={tmp_path / graphs}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[graphs] = losses(tmp_path / graphs)
+    assert "captured as one CUDA graph" in r.stdout + r.stderr
+    a, b = runs["false"], runs["true"]
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    print("max |loss diff| graphed vs ungraphed, 2 GPUs:", max(abs(a[s] - b[s]) for s in a))
+    for step in a:
+        assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])  # the same kernels on the same inputs
+
+
 def test_accelerate_launch_works_like_torchrun(one_process, tmp_path):
     """`accelerate launch --multi_gpu` sets torchrun's environment: 2 gloo ranks on the CPU, same losses."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

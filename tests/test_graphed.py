@@ -9,7 +9,7 @@ from trainer.config import ConfigError, load_config
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("distributed.strategy=ddp", "distributed.strategy"),
+        ("distributed.strategy=fsdp", "distributed.strategy"),
         ("optim.impl=triton", "optim.impl"),
         ("train.on_nan=skip", "train.on_nan"),
         ("train.precision=fp16", "train.precision"),

@@ -181,7 +181,8 @@ class CompileConfig:
     """On a compile failure: stop (error) or log loudly and run eagerly (eager)."""
     cudagraphs: bool = False
     """CUDA only: after 3 ordinary steps, capture the whole step (forward, backward, clip, optimizer) as one CUDA
-    graph and replay it; needs static shapes, a torch optimizer (optim.impl auto/fused/foreach), no data parallel."""
+    graph and replay it (with ddp, the bucket all-reduces too); needs static shapes, a torch optimizer (optim.impl
+    auto/fused/foreach), not fsdp."""
     cache_dir: str | None = None
     """Compile cache directory; null = inside the run directory."""
 
@@ -280,7 +281,7 @@ class Config:
         if self.compile.cudagraphs:
             c = self.compile
             bad = [
-                (self.distributed.strategy != "none", "distributed.strategy", "none"),
+                (self.distributed.strategy == "fsdp", "distributed.strategy", "none or ddp (FSDP2's hooks run Python)"),
                 (self.optim.impl not in ("auto", "fused", "foreach"), "optim.impl", "auto, fused or foreach"),
                 (self.train.on_nan == "skip", "train.on_nan", "stop (the update happens inside the graph)"),
                 (self.train.precision == "fp16", "train.precision", "bf16 or fp32 (no grad scaler in the graph)"),

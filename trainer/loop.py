@@ -157,6 +157,8 @@ class Trainer:
         def graph_step(xs: torch.Tensor, ys: torch.Tensor):
             """The whole step, as captured by :class:`~trainer.compile.graphed.GraphedStep`: no host syncs."""
             loss = forward_backward(lambda micro: (xs[micro], ys[micro]))
+            if hasattr(model, "finish_grad_sync"):
+                model.finish_grad_sync()  # ddp: the buckets' all-reduces are in the graph, on NCCL's stream
             norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
             opt.step()
             return loss, norm

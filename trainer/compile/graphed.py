@@ -17,8 +17,17 @@ What makes the replay equal to the ungraphed step:
 - The CUDA RNG is graph-safe (torch registers the default generator with the capture), so dropout
   draws fresh numbers on each replay.
 
+Data parallel (``distributed.strategy=ddp``): the buckets' all-reduces are captured with the rest.
+The hooks of :class:`~trainer.distributed.ddp.DataParallel` run once, during the capture, and leave
+in the graph what they launched: each bucket's flatten on the compute stream, its NCCL all-reduce
+on NCCL's stream (forked from and joined back into the captured stream by events, as in an eager
+step), and the wait before the gradients are read. Every rank captures the same collectives in
+the same order, so the replays pair up. The gain is the host's: an eager data-parallel step runs
+~150 Python gradient hooks, six graph pieces and their all-reduce launches, and on 2 H200s that
+host work left the GPU idle (scripts/results/bench_ddp_host_*).
+
 Not supported (refused by the config): fp16 with a grad scaler (its skip-step logic reads the host),
-``train.on_nan=skip`` (the step is inside the graph), data parallel (collectives in the graph).
+``train.on_nan=skip`` (the step is inside the graph), FSDP (its hooks run Python between kernels).
 """
 
 from __future__ import annotations
