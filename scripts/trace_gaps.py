@@ -118,7 +118,10 @@ def _idle_split(compute: list[dict], launches: dict[int, float], per: float) -> 
             host += late
             device += gap - late
         busy_until = max(busy_until, e["ts"] + e["dur"])
-    return f"idle: host {host / per:.2f} ms (kernel launched after the GPU ran dry) | device {device / per:.2f} ms (waits, kernel-to-kernel latency)"
+    return (
+        f"idle: host {host / per:.2f} ms (kernel launched after the GPU ran dry) | "
+        f"device {device / per:.2f} ms (waits, kernel-to-kernel latency)"
+    )
 
 
 def main() -> None:
