@@ -202,6 +202,7 @@ def test_graphed_ddp_step_equals_ungraphed_on_two_gpus(tmp_path):
     assert "captured as one CUDA graph" in r.stdout + r.stderr
     a, b = runs["false"], runs["true"]
     assert sorted(a) == sorted(b) == list(range(1, 13))
+    print("losses ungraphed:", [round(a[s], 5) for s in sorted(a)], "graphed:", [round(b[s], 5) for s in sorted(b)])
     print("max |loss diff| graphed vs ungraphed, 2 GPUs:", max(abs(a[s] - b[s]) for s in a))
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])  # the same kernels on the same inputs
