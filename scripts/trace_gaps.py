@@ -100,17 +100,18 @@ def analyse(path: str, steps: int, step_kernel: str) -> str:
         and "correlation" in e.get("args", {})
         and "Launch" in e.get("name", "")
     }
-    if launches:
-        lines.append("  " + _idle_split([e for e in window if "nccl" not in e["name"].lower()], launches, per))
+    kernels_c = [e for e in window if "nccl" not in e["name"].lower()]
+    if launches and kernels_c:
+        lines.append("  " + _idle_split(kernels_c, launches, per, lo))
     lines += [f"    {t / per:7.3f} ms  {n}" for n, t in top]
     return "\n".join(lines)
 
 
-def _idle_split(compute: list[dict], launches: dict[int, float], per: float) -> str:
-    """Compute-idle time split into the host's (next kernel launched late) and the device's (a wait)."""
+def _idle_split(compute: list[dict], launches: dict[int, float], per: float, start: float) -> str:
+    """Compute-idle time from ``start`` on, split into the host's (next kernel launched late) and the device's."""
     host = device = 0.0
-    busy_until = compute[0]["ts"] + compute[0]["dur"]
-    for e in compute[1:]:
+    busy_until = start
+    for e in compute:
         gap = e["ts"] - busy_until
         if gap > 0:
             launched = launches.get(e["args"].get("correlation"))

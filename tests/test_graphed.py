@@ -23,6 +23,15 @@ def test_cudagraphs_refuses_what_it_cannot_capture(override, key):
         load_config(ROOT / "configs/tiny.yaml", ["compile.cudagraphs=true", override])
 
 
+def test_cudagraphs_takes_ddp_over_nccl_only():
+    load_config(ROOT / "configs/tiny.yaml", ["compile.cudagraphs=true", "distributed.strategy=ddp"])  # accepted
+    with pytest.raises(ConfigError, match="compile.cudagraphs: needs distributed.backend=auto or nccl"):
+        load_config(
+            ROOT / "configs/tiny.yaml",
+            ["compile.cudagraphs=true", "distributed.strategy=ddp", "distributed.backend=gloo"],
+        )
+
+
 def test_cudagraphs_refusal_is_a_user_error(tmp_path):
     bad = ["compile.cudagraphs=true", "optim.impl=triton"]
     r = run_cli("fit", "configs/tiny.yaml", *FAST, *bad, f"run.dir={tmp_path}")

@@ -204,8 +204,8 @@ class DistributedConfig:
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
     """FSDP: dtype parameters are gathered in for compute; auto = train.precision's (bf16 on GPU)."""
     reduce_dtype: str = _f("fp32", choices=["fp32", "bf16"])
-    """DDP and FSDP: dtype gradients are reduced in. bf16 halves the bytes on the wire (for fp32 gradients) and
-    rounds each rank's gradient to bf16 before the sum; fp32 reduces them exactly as computed."""
+    """DDP and FSDP: dtype gradients are reduced in. bf16 halves the bytes on the wire (for fp32 gradients) and the
+    sum itself is computed in bf16; fp32 sums them in fp32 (bf16 gradients too: upcast for the reduction)."""
 
 
 @dataclass(kw_only=True)
@@ -282,6 +282,11 @@ class Config:
             c = self.compile
             bad = [
                 (self.distributed.strategy == "fsdp", "distributed.strategy", "none or ddp (FSDP2's hooks run Python)"),
+                (
+                    self.distributed.strategy == "ddp" and self.distributed.backend == "gloo",
+                    "distributed.backend",
+                    "auto or nccl (gloo stages CUDA tensors through the host: nothing a graph can capture)",
+                ),
                 (self.optim.impl not in ("auto", "fused", "foreach"), "optim.impl", "auto, fused or foreach"),
                 (self.train.on_nan == "skip", "train.on_nan", "stop (the update happens inside the graph)"),
                 (self.train.precision == "fp16", "train.precision", "bf16 or fp32 (no grad scaler in the graph)"),

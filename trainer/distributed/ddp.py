@@ -12,11 +12,12 @@ hooks do nothing, so gradient accumulation reduces once, on the last micro-step.
 
 The same hook runs eagerly after each compiled backward piece and, under compiled autograd, is
 traced by Dynamo into the one backward graph. Eagerly it reduces the flat buffer in place
-(``dist.all_reduce(async_op=True)``: the functional all-reduce would first copy it, 0.5 GB of
-traffic per step for GPT-2 124M). Traced, it uses the functional all-reduce, which Dynamo can put
-in a graph: there the all-reduces are nodes of the compiled backward and the waits sit at its end. (torch's own
-``optimize_ddp="python_reducer"`` issues one collective per parameter and leaves bucketing to
-Inductor passes that only run under Inductor; ours are the plan's buckets on every backend.)
+(``dist.all_reduce(async_op=True)``: the functional all-reduce would first copy it, a read and a
+write of every gradient byte, ~1 GB of memory traffic per step for GPT-2 124M). Traced, it uses
+the functional all-reduce, which Dynamo can put in a graph: there the all-reduces are nodes of the
+compiled backward and the waits sit at its end. (torch's own ``optimize_ddp="python_reducer"``
+issues one collective per parameter and leaves bucketing to Inductor passes that only run under
+Inductor; ours are the plan's buckets on every backend.)
 
 :class:`PlanSplitter` is the Dynamo backend that splits the forward graph at the plan's bucket
 boundaries. We reuse torch's DDPOptimizer machinery (``split_module`` plus its ``SubmodCompiler``,
@@ -79,7 +80,8 @@ class DataParallel(nn.Module):
         n = len(plan.buckets)
         self._counts = [len(b.params) for b in plan.buckets]
         self._ready = [0] * n
-        self._reduced: list[torch.Tensor | None] = [None] * n
+        # Per bucket: eagerly (buffer, NCCL work); traced, the functional all-reduce's output.
+        self._reduced: list[tuple[torch.Tensor, dist.Work] | torch.Tensor | None] = [None] * n
         self._next = [0]  # the next bucket to start: collectives start in plan order on every rank
         self._warned_late: set[int] = set()
         if broadcast:
