@@ -75,8 +75,9 @@ def analyse(path: str, steps: int, step_kernel: str) -> str:
         return f"{path}: only {len(ends)} step boundaries found (kernel /{step_kernel}/)"
     lo, hi = ends[-steps - 1], ends[-1]
     window = [e for e in kernels if e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
+    compute_kernels = [e for e in window if "nccl" not in e["name"].lower()]
     nccl = _union([(e["ts"], e["ts"] + e["dur"]) for e in window if "nccl" in e["name"].lower()])
-    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in window if "nccl" not in e["name"].lower()])
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute_kernels])
     total = hi - lo
     by_name: dict[str, float] = defaultdict(float)
     for e in window:
@@ -100,9 +101,8 @@ def analyse(path: str, steps: int, step_kernel: str) -> str:
         and "correlation" in e.get("args", {})
         and "Launch" in e.get("name", "")
     }
-    kernels_c = [e for e in window if "nccl" not in e["name"].lower()]
-    if launches and kernels_c:
-        lines.append("  " + _idle_split(kernels_c, launches, per, lo))
+    if launches and compute_kernels:
+        lines.append("  " + _idle_split(compute_kernels, launches, per, lo))
     lines += [f"    {t / per:7.3f} ms  {n}" for n, t in top]
     return "\n".join(lines)
 

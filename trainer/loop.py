@@ -222,9 +222,6 @@ class Trainer:
                         graphed = GraphedStep(graph_step, opt, raw_model.parameters(), xs, ys)
                         metrics.print(f"step {step + 1}: the whole step captured as one CUDA graph, replayed from here")
                     loss_val, grad_norm = graphed(xs, ys)
-                    # The graph's output buffer is rewritten by the next replay, before this step's record (one
-                    # step later) reads it for the ranks' mean loss: keep this step's own copy.
-                    loss_val = loss_val.clone()
                     read = _copy_to_host(loss_val, grad_norm)
                 else:
                     train_batch = functools.partial(batches.train_batch, step)  # (micro) -> (x, y)

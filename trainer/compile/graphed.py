@@ -13,7 +13,9 @@ What makes the replay equal to the ungraphed step:
   the replayed kernels; the step counter lives on the device as well.
 - Gradients are allocated inside the capture (they are None before it) from the graph's memory
   pool and rewritten by every replay; nothing may set them to None afterwards.
-- Loss and gradient norm are static output tensors, valid after each replay until the next one.
+- Loss and gradient norm are static output tensors of the graph, rewritten by every replay; each
+  call returns copies, so a caller may keep a step's values past the next replay (the loop reads a
+  step's loss one step later, and a distributed run averages it over ranks then).
 - The CUDA RNG is graph-safe (torch registers the default generator with the capture), so dropout
   draws fresh numbers on each replay.
 
@@ -84,11 +86,11 @@ class GraphedStep:
             self.loss, self.grad_norm = step_fn(self.xs, self.ys)
 
     def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one step on this batch; returns the static (loss, grad norm) tensors of this replay."""
+        """Run one step on this batch; returns this replay's (loss, grad norm), copies the caller keeps."""
         if xs.shape != self.xs.shape or ys.shape != self.ys.shape:
             got, captured = tuple(xs.shape), tuple(self.xs.shape)
             raise ValueError(f"graphed step: batch shape {got} differs from the captured {captured}")
         self.xs.copy_(xs, non_blocking=True)
         self.ys.copy_(ys, non_blocking=True)
         self.graph.replay()
-        return self.loss, self.grad_norm
+        return self.loss.clone(), None if self.grad_norm is None else self.grad_norm.clone()

@@ -73,7 +73,7 @@ class DataParallel(nn.Module):
         self.plan = plan
         self._group = group if group is not None else dist.group.WORLD
         # NCCL averages in the collective; gloo has no AVG: sum copies pre-scaled by 1/world.
-        self._op = "avg" if dist.get_backend(self._group) == "nccl" else "sum"
+        self._op = "avg" if dist.get_backend(self._group) == "nccl" else "sum"  # a functional collective's name
         self._scale = 1.0 if self._op == "avg" else 1.0 / dist.get_world_size(self._group)
         self._sync = True
         self._reduce_dtype = reduce_dtype
@@ -126,20 +126,20 @@ class DataParallel(nn.Module):
     def _launch(self, b: int) -> None:
         grads = [p.grad.reshape(-1) for p in self.plan.buckets[b].params]
         dtype = self._reduce_dtype or grads[0].dtype
-        if torch.compiler.is_compiling():  # traced by compiled autograd: a functional collective, a graph node
+        traced = torch.compiler.is_compiling()  # by compiled autograd: the all-reduce must be a graph node
+        if traced:
+            flat = torch.cat(grads).to(dtype)
+        else:  # one buffer, written once by the cat (cast included), then reduced in place
+            flat = torch.cat(grads, out=torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device))
+        if self._scale != 1.0:  # gloo (no average): CPU only
+            flat = flat * self._scale
+        if traced:
             import torch.distributed._functional_collectives as funcol
 
-            flat = torch.cat(grads).to(dtype)
-            if self._scale != 1.0:
-                flat = flat * self._scale
             self._reduced[b] = funcol.all_reduce(flat, self._op, self._group)
-            return
-        # Eager: one buffer written once by the cat (cast included) and reduced in place on NCCL's stream.
-        flat = torch.cat(grads, out=torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device))
-        if self._scale != 1.0:
-            flat.mul_(self._scale)
-        op = dist.ReduceOp.AVG if self._op == "avg" else dist.ReduceOp.SUM
-        self._reduced[b] = (flat, dist.all_reduce(flat, op=op, group=self._group, async_op=True))
+        else:
+            op = dist.ReduceOp.AVG if self._op == "avg" else dist.ReduceOp.SUM
+            self._reduced[b] = (flat, dist.all_reduce(flat, op=op, group=self._group, async_op=True))
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's all-reduce and make each ``param.grad`` a view of its reduced buffer.
