@@ -36,10 +36,10 @@ def run_cli(*args, env=None, timeout=300, cwd=ROOT):
     )
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """``{step: loss}`` from a run's metrics.jsonl."""
+def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """``{step: loss}`` (or another metric, ``key``) from a run's metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r[key] for r in rows if key in r}
 
 
 def pytest_collection_modifyitems(config, items):

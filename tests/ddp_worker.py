@@ -63,12 +63,17 @@ def main(out_dir: str) -> None:
                 p.grad = None
             with ctx():
                 dp(x[mine], y[mine]).backward()
-            dp.finish_grad_sync()
+            before = [p.grad.data_ptr() for p in raw.parameters()]
+            norm = dp.finish_grad_sync(norm=True)
+        in_place = before == [p.grad.data_ptr() for p in raw.parameters()]
+        want = torch.nn.utils.get_total_norm(list(expect.values()))
         err = max((p.grad - expect[n]).abs().max().item() for n, p in raw.named_parameters())
         rel = max(((p.grad - expect[n]).abs().max() / expect[n].abs().max()).item() for n, p in raw.named_parameters())
         result[variant] = {
             "max_grad_err": err,
             "max_rel_grad_err": rel,
+            "in_place": in_place,
+            "norm_rel_err": ((norm - want).abs() / want).item(),
             "grad_dtypes": sorted({str(p.grad.dtype) for p in raw.parameters()}),
             "buckets": [list(b.names) for b in plan.buckets],
             "units": [list(b.units) for b in plan.buckets],

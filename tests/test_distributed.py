@@ -68,6 +68,11 @@ def test_two_ranks_reproduce_one_process(variant, one_process, tmp_path):
     # process's batched matmuls: observed max |diff| 1e-6 over 8 steps.
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+    # The logged (pre-clip) gradient norm: ddp computes it bucket by bucket while reducing, fsdp over shards.
+    na, nb = losses(one_process, "grad_norm"), losses(tmp_path, "grad_norm")
+    assert sorted(na) == sorted(nb) == list(range(1, 9))
+    for step in na:
+        assert abs(na[step] - nb[step]) <= 1e-5 * na[step], (step, na[step], nb[step])
     pa, pb = _params(one_process, 8), _params(tmp_path, 8)
     assert set(pa) == set(pb)
     for k in pa:
@@ -97,6 +102,12 @@ def test_plan_split_and_reduction_inside_the_backward_graph(tmp_path):
                 "embeddings",
             ]
             assert v["buckets"][-1] == ["transformer.wpe.weight", "transformer.wte.weight"]
+        # Eagerly the gradients are reduced where autograd left them (no flat copy); a bf16 reduction needs a
+        # buffer, so its gradients are views of one.
+        assert res["eager"]["in_place"] and res["split"]["in_place"] and not res["bf16"]["in_place"]
+        # finish_grad_sync(norm=True): the global norm of the reduced gradients, bucket by bucket (observed 1e-7).
+        for variant in ("eager", "split", "ca"):
+            assert res[variant]["norm_rel_err"] < 1e-6, (variant, res[variant]["norm_rel_err"])
         split = res["split"]
         # One graph, six pieces; piece k (forward order) first uses exactly the parameters of bucket 5-k.
         assert split["pieces"] == [[[5], [4], [3], [2], [1], [0]]]

@@ -157,9 +157,8 @@ class Trainer:
         def graph_step(xs: torch.Tensor, ys: torch.Tensor):
             """The whole step, as captured by :class:`~trainer.compile.graphed.GraphedStep`: no host syncs."""
             loss = forward_backward(lambda micro: (xs[micro], ys[micro]))
-            if hasattr(model, "finish_grad_sync"):
-                model.finish_grad_sync()  # ddp: the buckets' all-reduces are in the graph, on NCCL's stream
-            norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself)
+            norm = _finish_grad_sync(model, clips_itself)  # ddp: the all-reduces are in the graph, on NCCL's stream
+            norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself, norm=norm)
             opt.step()
             return loss, norm
 
@@ -244,11 +243,11 @@ class Trainer:
                         backward_ctx = contextlib.nullcontext
                         opt.zero_grad(set_to_none=True)
                         loss_val = forward_backward(train_batch)
-                    if hasattr(model, "finish_grad_sync"):
-                        model.finish_grad_sync()  # waits for the bucket all-reduces started during the backward
+                    # ddp: waits for the bucket all-reduces started during the backward
+                    norm = _finish_grad_sync(model, clips_itself or scaler is not None)
                     if scaler is not None:
                         scaler.unscale_(opt)
-                    grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself, scaler)
+                    grad_norm = _clip(raw_model, opt, cfg.optim.grad_clip, clips_itself, scaler, norm)
                     read = _copy_to_host(loss_val, grad_norm)  # started now, read one step later
                     if cfg.train.on_nan == "skip" and not _all_finite(loss_val, grad_norm, env):  # syncs every step
                         opt.zero_grad(set_to_none=True)
@@ -456,23 +455,33 @@ def _dcp_writer(model: nn.Module, opt):
     return write
 
 
-def _clip(model: nn.Module, opt, max_norm: float, clips_itself: bool, scaler=None):
-    """Clip by global norm unless the optimizer does it inside its kernel; returns the pre-clip norm."""
+def _finish_grad_sync(model: nn.Module, own_norm: bool) -> torch.Tensor | None:
+    """ddp: wait for the buckets' all-reduces; returns the gradients' global norm, computed bucket by bucket as
+    the reductions finish (see ``DataParallel.finish_grad_sync``), unless ``own_norm`` (the optimizer computes
+    its own, or fp16's scaled gradients are unscaled later). None without ddp."""
+    finish = getattr(model, "finish_grad_sync", None)
+    return finish(norm=not own_norm) if finish is not None else None
+
+
+def _clip(model: nn.Module, opt, max_norm: float, clips_itself: bool, scaler=None, norm=None):
+    """Clip by global norm unless the optimizer does it inside its kernel; returns the pre-clip norm.
+
+    ``norm``: the gradients' global norm if already known (ddp computes it while reducing)."""
     if clips_itself:
         return opt.grad_norm()  # on device, no sync; the optimizer's step() clips with this same tensor
     params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm > 0 and scaler is None and params and _divides_by_grad_scale(opt, model):
+    if not params:
+        return None
+    if norm is None:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if max_norm > 0 and scaler is None and _divides_by_grad_scale(opt, model):
         # torch's fused Adam/AdamW divide every gradient by `opt.grad_scale` inside their kernel (and
         # write it back): GradScaler's hook. Clipping through it saves clip_grad_norm_'s separate read and
         # write of every gradient (0.37 ms of a 35 ms gpt2-small step on an H100). The divisor is
         # 1 / clip_grad_norm_'s coefficient: the same clipped gradients to rounding.
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)  # the kernel reads fp32
-        return norm
-    if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
+    elif max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor, reduced over ranks
 
 
