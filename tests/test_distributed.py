@@ -196,6 +196,10 @@ def test_two_gpus_reproduce_one_gpu(variant, tmp_path):
     for step in a:
         # TF32 matmuls and another summation order: tolerance 1e-3 (relative to losses ~5).
         assert abs(a[step] - b[step]) < 1e-3, (step, a[step], b[step])
+    na, nb = losses(one, "grad_norm"), losses(two, "grad_norm")  # ddp: the norm computed while reducing
+    print(variant, "max relative grad-norm diff, 2 GPUs vs 1:", max(abs(na[s] - nb[s]) / na[s] for s in na))
+    for step in na:
+        assert abs(na[step] - nb[step]) <= 1e-3 * na[step], (step, na[step], nb[step])
 
 
 @pytest.mark.multi_gpu
@@ -217,6 +221,9 @@ def test_graphed_ddp_step_equals_ungraphed_on_two_gpus(tmp_path):
     print("max |loss diff| graphed vs ungraphed, 2 GPUs:", max(abs(a[s] - b[s]) for s in a))
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])  # the same kernels on the same inputs
+    na, nb = losses(tmp_path / "false", "grad_norm"), losses(tmp_path / "true", "grad_norm")
+    for step in na:
+        assert abs(na[step] - nb[step]) <= 1e-5 * na[step], (step, na[step], nb[step])
 
 
 def test_accelerate_launch_works_like_torchrun(one_process, tmp_path):
