@@ -87,6 +87,14 @@ def cross_entropy(cfg: Config, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and usable else "torch"
 
 
+def linear_gelu(cfg: Config, device: torch.device) -> str:
+    """``model.linear_gelu`` with auto resolved: our fused bias-gradient GELU backward on CUDA for the built-in GPT
+    with biases, nn.Linear + nn.GELU elsewhere."""
+    if cfg.model.linear_gelu != "auto":
+        return cfg.model.linear_gelu
+    return "triton" if device.type == "cuda" and cfg.model.target is None and cfg.model.bias else "torch"
+
+
 def check_attention(cfg: Config, device: torch.device, dtype) -> None:
     """Fail at startup, with the key, when ``model.attention`` names a kernel this device cannot run.
 
