@@ -33,8 +33,9 @@ from torch import Tensor
 
 from trainer.compile.kernels.flat import triton_can_run
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-_COEF = 0.044715
+# Read inside the kernel: compiled Triton accepts globals only as constexpr (the interpreter takes any).
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_COEF = tl.constexpr(0.044715)
 MAX_GROUPS = 64  # row groups: partial column sums per column, reduced after the kernel
 
 
