@@ -125,3 +125,27 @@ def test_compile_fullgraph_aot_eager_equals_eager():
     assert counter.frame_count == 1
     for a, r in zip(got, eager):
         torch.testing.assert_close(a, r, rtol=0, atol=0)
+
+
+def test_kernel_compiles_for_hopper_without_a_gpu():
+    """The interpreter runs what compiled Triton refuses (a plain-float global read in the kernel: the first H100 run
+    failed to compile): compile the kernel to a cubin for sm_90 here, in a process without TRITON_INTERPRET."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from trainer.compile.kernels.linear_gelu import _gelu_tanh_backward_bias_kernel as k
+sig = {"DOut": "*bf16", "Pre": "*bf16", "DPre": "*bf16", "Partials": "*fp32", "n_rows": "i32", "n_cols": "i32",
+       "rows_per_group": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+src = ASTSource(fn=k, signature=sig, constexprs={"BLOCK_M": 32, "BLOCK_N": 128})
+print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cubin" in r.stdout

@@ -160,10 +160,9 @@ def test_triton_linear_gelu_matches_torch_in_the_gpt(monkeypatch):
         assert calls, mode  # our backward ran (traced into the graph when compiled)
         for a, b in zip(want, got):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    auto = load_config(None, [])
-    assert linear_gelu(auto, torch.device("cpu")) == "torch"
-    assert linear_gelu(auto, torch.device("cuda")) == "triton"
-    assert linear_gelu(load_config(None, ["model.bias=false"]), torch.device("cuda")) == "torch"
+    auto = load_config(None, [])  # auto = torch: the kernel measured no faster on an H100 (notes_linear_gelu.md)
+    assert linear_gelu(auto, torch.device("cpu")) == linear_gelu(auto, torch.device("cuda")) == "torch"
+    assert linear_gelu(load_config(None, ["model.linear_gelu=triton"]), torch.device("cpu")) == "triton"
 
 
 def test_loss_kernel_config_rules_and_the_trainer_wires_the_choices(tmp_path):

@@ -88,11 +88,10 @@ def cross_entropy(cfg: Config, device: torch.device) -> str:
 
 
 def linear_gelu(cfg: Config, device: torch.device) -> str:
-    """``model.linear_gelu`` with auto resolved: our fused bias-gradient GELU backward on CUDA for the built-in GPT
-    with biases, nn.Linear + nn.GELU elsewhere."""
-    if cfg.model.linear_gelu != "auto":
-        return cfg.model.linear_gelu
-    return "triton" if device.type == "cuda" and cfg.model.target is None and cfg.model.bias else "torch"
+    """``model.linear_gelu`` with auto resolved: torch (nn.Linear + nn.GELU) everywhere, since our fused
+    bias-gradient GELU backward measured no faster on an H100 (``scripts/results/notes_linear_gelu.md``).
+    ``device`` is kept for when a faster kernel makes auto pick it on CUDA."""
+    return cfg.model.linear_gelu if cfg.model.linear_gelu != "auto" else "torch"
 
 
 def check_attention(cfg: Config, device: torch.device, dtype) -> None:

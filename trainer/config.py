@@ -73,8 +73,9 @@ class ModelConfig:
     model.fused_loss is on, else torch."""
     linear_gelu: str = _f("auto", choices=["auto", "torch", "triton"])
     """Built-in GPT: the MLP's c_fc + GELU. triton: its backward computes c_fc's bias gradient inside our GELU
-    backward kernel (Inductor reads the (tokens x 4C) tensors once more for it); torch: nn.Linear + nn.GELU;
-    auto: triton on CUDA when model.bias is on, else torch."""
+    backward kernel instead of Inductor's separate reduction; torch: nn.Linear + nn.GELU. auto = torch: on an H100
+    the kernel measured no faster (gpt2-small graphed step 474K tok/s vs 476K with torch;
+    scripts/results/bench_step_linear_gelu_h100.log)."""
     attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
     with torch 2.11; see scripts/bench_attention.py). Checked on the device at startup."""
