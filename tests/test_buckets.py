@@ -112,3 +112,45 @@ def test_rewrapping_removes_the_old_hooks():
         assert all(p.grad is not None for p in flat.params)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_gradient_that_views_another_is_not_reduced_in_place():
+    """autograd adopts p.unsqueeze(0)'s incoming gradient as p.grad without a copy: a view of the output's gradient,
+    which the backward still reads for x. Reducing (scaling) it in place would change x's gradient."""
+    import torch.distributed as dist
+
+    from trainer.distributed.ddp import DataParallel
+
+    class Viewing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.ones(4, 3))
+
+        def forward(self, x):
+            return x * 2 + self.p.unsqueeze(0)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process: no port
+    try:
+        model = Viewing()
+        dp = DataParallel(model, plan_buckets(model, bucket_mb=1))
+        dp._scale = 0.5  # as gloo on 2 ranks (pre-scaled sum), so an in-place write would show on one rank
+        x = torch.ones(1, 4, 3, requires_grad=True)
+        dy = torch.arange(12.0).reshape(1, 4, 3)
+        dp(x).backward(dy)
+        dp.finish_grad_sync()
+        torch.testing.assert_close(x.grad, 2 * dy)  # untouched by the reduction of p's gradient
+        torch.testing.assert_close(model.p.grad, 0.5 * dy[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sole_owner_counts_tensors_on_a_storage():
+    """The in-place reduction's guard, on torch's private storage refcount: pinned here across torch versions."""
+    from trainer.distributed.ddp import _sole_owner
+
+    a = torch.randn(4, 3)
+    assert _sole_owner(a)
+    v = a.view(12).detach()  # detached: no ._base, same memory
+    assert v._base is None and not _sole_owner(v) and not _sole_owner(a)
+    del a
+    assert _sole_owner(v)  # the view outlived its base: nothing else reads that memory

@@ -149,3 +149,16 @@ print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num
     r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cubin" in r.stdout
+
+
+def test_compiled_under_autocast_equals_eager():
+    """Inside a compiled model under bf16 autocast (the trainer's case): Dynamo traces the autocast state queries and
+    the casts; the result and gradients equal the eager call's."""
+    x, w, b, dout = _inputs(37, 16, 200)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(linear_gelu, backend=counter, fullgraph=True)
+    eager = _grads(linear_gelu, x, w, b, dout, autocast=True)
+    got = _grads(compiled, x, w, b, dout, autocast=True)
+    assert counter.frame_count == 1 and got[0].dtype == torch.bfloat16
+    for a, r in zip(got, eager):
+        torch.testing.assert_close(a, r, rtol=0, atol=0)

@@ -140,6 +140,7 @@ def test_triton_linear_gelu_matches_torch_in_the_gpt(monkeypatch):
     from trainer.config import load_config
 
     idx = torch.randint(0, 64, (2, 16))
+    assert lg.triton_can_run(torch.device("cpu"), lg._gelu_tanh_backward_bias_kernel)  # the kernel, not the fallback
     calls = []
     can_run = lg.triton_can_run  # called by the op's body when it runs (not when a graph is traced)
     monkeypatch.setattr(lg, "triton_can_run", lambda *a: calls.append(1) or can_run(*a))

@@ -472,8 +472,8 @@ def _clip(model: nn.Module, opt, max_norm: float, clips_itself: bool, scaler=Non
     if clips_itself:
         return opt.grad_norm()  # on device, no sync; the optimizer's step() clips with this same tensor
     params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return None
+    if not params:  # as clip_grad_norm_ of nothing: a zero norm when clipping, none logged otherwise
+        return torch.zeros(()) if max_norm > 0 else None
     if norm is None:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if max_norm > 0 and scaler is None and _divides_by_grad_scale(opt, model):

@@ -21,13 +21,14 @@ What makes the replay equal to the ungraphed step:
 
 Data parallel (``distributed.strategy=ddp``): the buckets' all-reduces are captured with the rest.
 The hooks of :class:`~trainer.distributed.ddp.DataParallel` run once, during the capture, and leave
-in the graph what they launched: each bucket's flatten on the compute stream, its NCCL all-reduce
-on NCCL's stream (forked from and joined back into the captured stream by events, as in an eager
-step), and the wait before the gradients are read. Every rank captures the same collectives in
-the same order, so the replays pair up. What it saves is host work (~150 Python gradient hooks, the
-graph pieces' wrappers, the all-reduce launches): on 2 H200s with GPT-2 124M the host kept ahead
-of the GPU without it, and the graphed step ran at the ungraphed speed (473K vs 472K tokens/s per
-GPU, scripts/results/bench_ddp_graphed_h200x2.log); it pays where the host is the bottleneck.
+in the graph what they launched: each bucket's NCCL all-reduce (of its gradients in place, or of a
+flat copy where one is needed) on NCCL's stream (forked from and joined back into the captured
+stream by events, as in an eager step), and the wait before the gradients are read. Every rank
+captures the same collectives in the same order, so the replays pair up. What it saves is host work
+(~150 Python gradient hooks, the graph pieces' wrappers, the all-reduce launches): on 2 H200s with
+GPT-2 124M the host kept ahead of the GPU without it, and the graphed step ran at the ungraphed
+speed (473K vs 472K tokens/s per GPU, scripts/results/bench_ddp_graphed_h200x2.log); it pays where
+the host is the bottleneck.
 
 Not supported (refused by the config): fp16 with a grad scaler (its skip-step logic reads the host),
 ``train.on_nan=skip`` (the step is inside the graph), FSDP (its hooks run Python between kernels).
