@@ -190,7 +190,8 @@ def _spawn(a, preset: str, variant: str, world: int, gpus: list[int] | None, por
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
            f"--master-port={port}", __file__, "--worker", variant, *_pass_through(a, preset)]  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": a.cache_dir, "OMP_NUM_THREADS": "1",
-           "TRITON_CACHE_DIR": os.path.join(a.cache_dir, "triton"), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+           "TRITON_CACHE_DIR": os.path.join(a.cache_dir, "triton"), "PYTHONUNBUFFERED": "1",
+           **_spec(variant)["env"]}  # fmt: skip
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     t0 = time.perf_counter()
@@ -280,7 +281,8 @@ def main() -> None:
     p.add_argument(
         "--variants",
         default=",".join(VARIANTS),
-        help="comma-separated; 'ours-ddp@distributed.split_tail=false' adds trainer overrides",
+        help="comma-separated; 'ours-ddp@distributed.split_tail=false' adds trainer overrides, "
+        "'eager-ddp@env:NCCL_MAX_CTAS=8' environment variables",
     )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument(

@@ -4,6 +4,7 @@
     python scripts/bench_step.py --preset gpt2-medium --batch 8
     python scripts/bench_step.py --variants eager,torch.compile,ours-model
     python scripts/bench_step.py --variants torch.compile,ours-model,ours-model@compile.mode=max-autotune-no-cudagraphs
+    python scripts/bench_step.py --variants ours-model,ours-model@env:TORCHINDUCTOR_MIX_ORDER_REDUCTION=0
 
 Each variant runs in its own process (so compile caches, Dynamo state and the CUDA allocator
 start clean) and reports tokens/s (median over timed steps), MFU against the 989 TFLOP/s
@@ -155,7 +156,7 @@ def _spec(variant: str) -> dict:
 
 def _trace_path(trace_dir: str, variant: str) -> str:
     """Where a variant's GPU timeline goes: its name made file-safe."""
-    name = variant.replace("@", "_at_").replace("=", "-").replace("/", "_")
+    name = variant.replace("@", "_at_").replace("=", "-").replace("/", "_").replace(":", "_")
     return os.path.join(trace_dir, f"{name}.json.gz")
 
 
@@ -181,7 +182,8 @@ def _spawn(a, variant: str, cache_dir: str, trace_dir: str | None = None) -> dic
     cmd = [sys.executable, __file__, "--worker", variant, "--cache-dir", cache_dir, "--preset", a.preset,
            "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
            *[f"--extra={e}" for e in a.extra]]  # fmt: skip
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+           **_spec(variant)["env"]}  # fmt: skip
     if trace_dir:
         env["BENCH_TRACE"] = trace_dir
     t0 = time.perf_counter()

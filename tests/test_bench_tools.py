@@ -45,6 +45,14 @@ def test_variant_overrides():
         parse_variant("bogus", VARIANTS)
     with pytest.raises(SystemExit, match="ours-\\* variants only"):
         parse_variant("eager-ddp@x=1", VARIANTS)
+    # Environment variables for any variant's processes, beside overrides.
+    spec = parse_variant("ours-ddp@env:TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1@distributed.bucket_mb=25", VARIANTS)
+    assert spec["env"] == {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
+    assert spec["overrides"][-1] == "distributed.bucket_mb=25" and not any("env:" in o for o in spec["overrides"])
+    assert parse_variant("eager-ddp@env:NCCL_MAX_CTAS=8", VARIANTS)["env"] == {"NCCL_MAX_CTAS": "8"}
+    assert parse_variant("eager-ddp", VARIANTS)["env"] == {}
+    with pytest.raises(SystemExit, match="expected env:NAME=value"):
+        parse_variant("eager-ddp@env:NCCL_MAX_CTAS", VARIANTS)
 
 
 def test_trace_gaps_splits_steps_at_the_optimizer_and_sums_each_category(tmp_path):
