@@ -161,8 +161,8 @@ class DataParallel(nn.Module):
         as ``.grad`` without copying when nothing else holds that tensor object, but a view shares
         memory with the tensor it views (``p.unsqueeze(0)``'s gradient is a view of the output's,
         which the rest of the backward still reads), and ``._base`` does not tell: the adopted
-        gradient is detached. So the storage's reference count decides: one from the gradient, one
-        from the storage object asked here. Anything else (a view of a live tensor, a slice of a
+        gradient is detached. So the storage's reference count decides (:func:`_sole_owner`, calibrated
+        on a lone tensor). Anything else (a view of a live tensor, a slice of a
         larger buffer) takes the flat copy, which is always safe. Not for gloo with CUDA tensors
         either: its coalesced all-reduce takes CPU tensors only (a flat buffer goes through its
         one-tensor path). And the collective needs contiguous tensors.
@@ -225,10 +225,24 @@ class DataParallel(nn.Module):
         self._launch(bucket.index)
 
 
+def _storage_refs(t: torch.Tensor) -> int:
+    storage = t.untyped_storage()  # held while counting, as in the calibration
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+@functools.cache
+def _lone_storage_refs() -> int:
+    """What :func:`_storage_refs` counts for a tensor alone on its storage. Calibrated, not assumed: whether the
+    Python storage object adds a reference differs between torch versions."""
+    return _storage_refs(torch.empty(1))
+
+
 def _sole_owner(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the only tensor on its storage (pinned by tests/test_buckets.py: a view is not)."""
-    storage = t.untyped_storage()  # held: the count includes this Python object's reference
-    return torch._C._storage_Use_Count(storage._cdata) <= 2
+    """Whether ``t`` is the only tensor on its storage (pinned by tests/test_buckets.py: a view is not). False if
+    this torch has no storage reference count to ask (the caller then takes the always-safe copy)."""
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return False
+    return _storage_refs(t) <= _lone_storage_refs()
 
 
 class PlanSplitter:
