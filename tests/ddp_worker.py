@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_distributed.py: checks of the bucket plan, the graph split and the reducer.
 
-Writes ``$OUT/rank<r>.json``. Not a test module itself (no ``test_`` prefix).
+Writes ``$OUT/rank<r>.json``. Not a test module itself (no ``test_`` prefix). ``DDP_WORKER_DEVICE=cuda``: NCCL,
+one GPU per rank, and the split variant's pieces compiled by Inductor (whose outputs are the gradients reduced).
 """
 
 import json
@@ -17,17 +18,21 @@ def main(out_dir: str) -> None:
     from trainer.distributed.ddp import DataParallel, PlanSplitter
     from trainer.models import build_model
 
-    dist.init_process_group("gloo")
+    cuda = os.environ.get("DDP_WORKER_DEVICE", "cpu") == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     def model():
         torch.manual_seed(0)
         return build_model(preset="tiny", vocab_size=64, seq_len=16, n_layer=4, n_head=2, n_embd=32, dropout=0.0,
-                           bias=True, fused_loss=False, target=None, kwargs={})  # fmt: skip
+                           bias=True, fused_loss=False, target=None, kwargs={}).to(dev)  # fmt: skip
 
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 64, (4 * world, 16), generator=g)
-    y = torch.randint(0, 64, (4 * world, 16), generator=g)
+    x = torch.randint(0, 64, (4 * world, 16), generator=g).to(dev)
+    y = torch.randint(0, 64, (4 * world, 16), generator=g).to(dev)
     mine = slice(4 * rank, 4 * rank + 4)
 
     ref = model()
@@ -44,6 +49,10 @@ def main(out_dir: str) -> None:
 
         def record_piece(gm, example_inputs, compiled_pieces=compiled_pieces, **kw):
             compiled_pieces.append(sorted({n.name for n in gm.graph.nodes if n.op == "placeholder"}))
+            if cuda:
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(gm, example_inputs)
             return gm.forward
 
         def record_ca(gm, example_inputs, ca_ops=ca_ops, **kw):

@@ -203,6 +203,27 @@ def test_two_gpus_reproduce_one_gpu(variant, tmp_path):
 
 
 @pytest.mark.multi_gpu
+def test_nccl_reduces_inductor_gradients_in_place(tmp_path):
+    """tests/ddp_worker.py on 2 GPUs (NCCL; the split variant's pieces compiled by Inductor): the gradients are
+    reduced where autograd left them (the sole-owner guard accepts Inductor's outputs: no silent fallback to
+    the flat copy), equal to one process's, and the norm returned while reducing is theirs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "DDP_WORKER_DEVICE": "cuda"}  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["eager"]["in_place"] and res["split"]["in_place"] and not res["bf16"]["in_place"]
+        for variant in ("eager", "split", "ca"):
+            # fp32 (no TF32 by default); Inductor's fused kernels sum in another order than eager.
+            assert res[variant]["max_rel_grad_err"] < 1e-5, (variant, res[variant]["max_rel_grad_err"])
+            assert res[variant]["norm_rel_err"] < 1e-5, (variant, res[variant]["norm_rel_err"])
+        assert res["split"]["pieces"] == [[[5], [4], [3], [2], [1], [0]]]
+
+
+@pytest.mark.multi_gpu
 def test_graphed_ddp_step_equals_ungraphed_on_two_gpus(tmp_path):
     """compile.cudagraphs with ddp: the bucket all-reduces captured in the step's CUDA graph (fp32, accumulation,
     clipping, 12 steps): the replays give the ungraphed run's losses, and the graph was captured."""
