@@ -36,10 +36,15 @@ def run_cli(*args, env=None, timeout=300, cwd=ROOT):
     )
 
 
-def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
-    """``{step: loss}`` (or another metric, ``key``) from a run's metrics.jsonl."""
+def metric(run_dir: Path, key: str) -> dict[int, float]:
+    """``{step: value}`` of one metric (``loss``, ``grad_norm``, ...) from a run's metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r[key] for r in rows if key in r}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """``{step: loss}`` from a run's metrics.jsonl."""
+    return metric(run_dir, "loss")
 
 
 def pytest_collection_modifyitems(config, items):

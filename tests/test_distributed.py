@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, losses
+from tests.conftest import FAST, ROOT, losses, metric
 
 SHAPE = [f for f in FAST if not f.startswith("train.micro_batch_size")]
 
@@ -69,7 +69,7 @@ def test_two_ranks_reproduce_one_process(variant, one_process, tmp_path):
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
     # The logged (pre-clip) gradient norm: ddp computes it bucket by bucket while reducing, fsdp over shards.
-    na, nb = losses(one_process, "grad_norm"), losses(tmp_path, "grad_norm")
+    na, nb = metric(one_process, "grad_norm"), metric(tmp_path, "grad_norm")
     assert sorted(na) == sorted(nb) == list(range(1, 9))
     for step in na:
         assert abs(na[step] - nb[step]) <= 1e-5 * na[step], (step, na[step], nb[step])
@@ -196,7 +196,7 @@ def test_two_gpus_reproduce_one_gpu(variant, tmp_path):
     for step in a:
         # TF32 matmuls and another summation order: tolerance 1e-3 (relative to losses ~5).
         assert abs(a[step] - b[step]) < 1e-3, (step, a[step], b[step])
-    na, nb = losses(one, "grad_norm"), losses(two, "grad_norm")  # ddp: the norm computed while reducing
+    na, nb = metric(one, "grad_norm"), metric(two, "grad_norm")  # ddp: the norm computed while reducing
     print(variant, "max relative grad-norm diff, 2 GPUs vs 1:", max(abs(na[s] - nb[s]) / na[s] for s in na))
     for step in na:
         assert abs(na[step] - nb[step]) <= 1e-3 * na[step], (step, na[step], nb[step])
@@ -242,7 +242,7 @@ def test_graphed_ddp_step_equals_ungraphed_on_two_gpus(tmp_path):
     print("max |loss diff| graphed vs ungraphed, 2 GPUs:", max(abs(a[s] - b[s]) for s in a))
     for step in a:
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])  # the same kernels on the same inputs
-    na, nb = losses(tmp_path / "false", "grad_norm"), losses(tmp_path / "true", "grad_norm")
+    na, nb = metric(tmp_path / "false", "grad_norm"), metric(tmp_path / "true", "grad_norm")
     for step in na:
         assert abs(na[step] - nb[step]) <= 1e-5 * na[step], (step, na[step], nb[step])
 

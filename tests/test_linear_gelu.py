@@ -162,3 +162,20 @@ def test_compiled_under_autocast_equals_eager():
     assert counter.frame_count == 1 and got[0].dtype == torch.bfloat16
     for a, r in zip(got, eager):
         torch.testing.assert_close(a, r, rtol=0, atol=0)
+
+
+def test_compiled_autograd_equals_eager(monkeypatch):
+    """Under compiled autograd (the backward traced as one graph) the autograd.Function's backward, our op
+    included, gives the eager gradients; the op's body ran at runtime (not only its fake at trace time)."""
+    from trainer.compile.autograd import compiled_autograd
+
+    x, w, b, dout = _inputs(37, 16, 200)
+    eager = _grads(linear_gelu, x, w, b, dout, autocast=False)
+    calls = []
+    can_run = lg.triton_can_run  # called by the op's body when it runs
+    monkeypatch.setattr(lg, "triton_can_run", lambda *a: calls.append(1) or can_run(*a))
+    with compiled_autograd("aot_eager"):
+        got = _grads(torch.compile(linear_gelu, backend="aot_eager", fullgraph=True), x, w, b, dout, autocast=False)
+    assert calls
+    for a, r in zip(got, eager):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)

@@ -1,6 +1,5 @@
 """The built-in GPT and the user-model contract."""
 
-import contextlib
 import sys
 import textwrap
 
@@ -130,42 +129,6 @@ def test_triton_cross_entropy_matches_torch_in_the_gpt(monkeypatch):
     assert cross_entropy(auto, torch.device("cuda")) == "triton"
 
 
-def test_triton_linear_gelu_matches_torch_in_the_gpt(monkeypatch):
-    """model.linear_gelu=triton (c_fc's bias gradient inside our GELU backward kernel) gives the GPT the loss and
-    gradients of nn.Linear + nn.GELU: eagerly, compiled (aot_eager) and under compiled autograd (fp32 on CPU, the
-    kernel under TRITON_INTERPRET; its own tests cover bf16)."""
-    import trainer.compile.kernels.linear_gelu as lg
-    from trainer.build import linear_gelu
-    from trainer.compile.autograd import compiled_autograd
-    from trainer.config import load_config
-
-    idx = torch.randint(0, 64, (2, 16))
-    assert lg.triton_can_run(torch.device("cpu"), lg._gelu_tanh_backward_bias_kernel)  # the kernel, not the fallback
-    calls = []
-    can_run = lg.triton_can_run  # called by the op's body when it runs (not when a graph is traced)
-    monkeypatch.setattr(lg, "triton_can_run", lambda *a: calls.append(1) or can_run(*a))
-
-    def grads(name, mode):
-        torch.manual_seed(0)
-        model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=16, linear_gelu=name)
-        run = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
-        with compiled_autograd("aot_eager") if mode == "ca" else contextlib.nullcontext():
-            loss = run(idx, idx.roll(1, dims=1))
-            loss.backward()
-        return [loss.detach()] + [p.grad for p in model.parameters()]
-
-    want = grads("torch", "eager")
-    for mode in ("eager", "compiled", "ca"):
-        calls.clear()
-        got = grads("triton", mode)
-        assert calls, mode  # our backward ran (traced into the graph when compiled)
-        for a, b in zip(want, got):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    auto = load_config(None, [])  # auto = torch: the kernel measured no faster on an H100 (notes_linear_gelu.md)
-    assert linear_gelu(auto, torch.device("cpu")) == linear_gelu(auto, torch.device("cuda")) == "torch"
-    assert linear_gelu(load_config(None, ["model.linear_gelu=triton"]), torch.device("cpu")) == "triton"
-
-
 def test_loss_kernel_config_rules_and_the_trainer_wires_the_choices(tmp_path):
     """The trainer builds the GPT with the configured loss and attention kernels (a dropped argument made a GPU
     A/B run measure torch's loss twice once); triton is refused with fp16 and beside an explicit fused loss,
@@ -177,14 +140,12 @@ def test_loss_kernel_config_rules_and_the_trainer_wires_the_choices(tmp_path):
 
     cfg = load_config(
         None,
-        ["model.cross_entropy=triton", "model.linear_gelu=triton", "model.attention=math", "train.steps=1",
+        ["model.cross_entropy=triton", "model.attention=math", "train.steps=1",
          f"run.dir={tmp_path}", "log.progress=false", "checkpoint.enabled=false", "train.eval_batches=1"],
     )  # fmt: skip
     trainer = Trainer(cfg)
     trainer.fit()
-    assert trainer.raw_model.cfg.cross_entropy == "triton" and trainer.raw_model.cfg.linear_gelu == "triton"
-    with pytest.raises(ConfigError, match="model.linear_gelu: 'triton' fuses the c_fc bias gradient"):
-        load_config(None, ["model.linear_gelu=triton", "model.bias=false"])
+    assert trainer.raw_model.cfg.cross_entropy == "triton"
     assert trainer.raw_model.transformer.h[0].attn.backend == sdpa_backend("math")
     with pytest.raises(ConfigError, match="model.cross_entropy: 'triton' does not support train.precision=fp16"):
         load_config(None, ["model.cross_entropy=triton", "train.precision=fp16"])

@@ -87,13 +87,6 @@ def cross_entropy(cfg: Config, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and usable else "torch"
 
 
-def linear_gelu(cfg: Config, device: torch.device) -> str:
-    """``model.linear_gelu`` with auto resolved: torch (nn.Linear + nn.GELU) everywhere, since our fused
-    bias-gradient GELU backward measured no faster on an H100 (``scripts/results/notes_linear_gelu.md``).
-    ``device`` is kept for when a faster kernel makes auto pick it on CUDA."""
-    return cfg.model.linear_gelu if cfg.model.linear_gelu != "auto" else "torch"
-
-
 def check_attention(cfg: Config, device: torch.device, dtype) -> None:
     """Fail at startup, with the key, when ``model.attention`` names a kernel this device cannot run.
 

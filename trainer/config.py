@@ -71,11 +71,6 @@ class ModelConfig:
     (compiled by Inductor); triton: our kernel writes the logits' gradient over them in the forward (one pass
     instead of Inductor's two; same memory; +1.9% tok/s on gpt2-small, H100); auto: triton on CUDA unless fp16 or
     model.fused_loss is on, else torch."""
-    linear_gelu: str = _f("auto", choices=["auto", "torch", "triton"])
-    """Built-in GPT: the MLP's c_fc + GELU. triton: its backward computes c_fc's bias gradient inside our GELU
-    backward kernel instead of Inductor's separate reduction; torch: nn.Linear + nn.GELU. auto = torch: on an H100
-    the kernel measured no faster (gpt2-small graphed step 474K tok/s vs 476K with torch;
-    scripts/results/bench_step_linear_gelu_h100.log)."""
     attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
     with torch 2.11; see scripts/bench_attention.py). Checked on the device at startup."""
@@ -325,13 +320,8 @@ class Config:
                 "unscaled logit gradients over all tokens and can overflow fp16); use torch, or bf16"
             )
         m = self.model
-        if m.linear_gelu == "triton" and not m.bias:
-            raise ConfigError(
-                "model.linear_gelu: 'triton' fuses the c_fc bias gradient, and model.bias=false has none; use auto "
-                "or torch"
-            )
         builtin_only = {"fused_loss": m.fused_loss, "cross_entropy": m.cross_entropy == "triton",
-                        "linear_gelu": m.linear_gelu == "triton", "attention": m.attention != "auto"}  # fmt: skip
+                        "attention": m.attention != "auto"}  # fmt: skip
         for key, chosen in builtin_only.items():
             if chosen and m.target is not None:
                 raise ConfigError(f"model.{key}: applies to the built-in GPT only; drop it with model.target")

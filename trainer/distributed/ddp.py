@@ -77,6 +77,7 @@ class DataParallel(nn.Module):
         self._group = group if group is not None else dist.group.WORLD
         # NCCL averages in the collective; gloo has no AVG: gradients pre-scaled by 1/world, summed.
         self._op = "avg" if dist.get_backend(self._group) == "nccl" else "sum"  # a functional collective's name
+        self._reduce_op = dist.ReduceOp.AVG if self._op == "avg" else dist.ReduceOp.SUM  # the eager collectives'
         self._scale = 1.0 if self._op == "avg" else 1.0 / dist.get_world_size(self._group)
         self._sync = True
         self._reduce_dtype = reduce_dtype
@@ -133,10 +134,10 @@ class DataParallel(nn.Module):
         if not traced and dtype == grads[0].dtype and self._in_place_ok(grads):
             # The gradients are reduced where they are, by one coalesced collective over the bucket's tensors
             # (NCCL: one group, one kernel): no flat copy, so no read and write of every gradient byte.
-            if self._scale != 1.0:  # gloo (no average): CPU tensors
+            if self._scale != 1.0:  # gloo (no average)
                 torch._foreach_mul_(grads, self._scale)
             opts = dist.AllreduceCoalescedOptions()
-            opts.reduceOp = dist.ReduceOp.AVG if self._op == "avg" else dist.ReduceOp.SUM
+            opts.reduceOp = self._reduce_op
             self._reduced[b] = (None, self._group.allreduce_coalesced(grads, opts))
             return
         grads = [g.reshape(-1) for g in grads]
@@ -144,15 +145,14 @@ class DataParallel(nn.Module):
             flat = torch.cat(grads).to(dtype)
         else:  # one buffer, written once by the cat (cast included), then reduced in place
             flat = torch.cat(grads, out=torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device))
-        if self._scale != 1.0:  # gloo (no average): CPU only
+        if self._scale != 1.0:  # gloo (no average)
             flat = flat * self._scale
         if traced:
             import torch.distributed._functional_collectives as funcol
 
             self._reduced[b] = funcol.all_reduce(flat, self._op, self._group)
         else:
-            op = dist.ReduceOp.AVG if self._op == "avg" else dist.ReduceOp.SUM
-            self._reduced[b] = (flat, dist.all_reduce(flat, op=op, group=self._group, async_op=True))
+            self._reduced[b] = (flat, dist.all_reduce(flat, op=self._reduce_op, group=self._group, async_op=True))
 
     def _in_place_ok(self, grads: list[torch.Tensor]) -> bool:
         """Whether the bucket's ``.grad`` tensors may be reduced (and scaled) in place.

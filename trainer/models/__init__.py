@@ -30,7 +30,6 @@ def build_model(
     fused_loss: bool = False,
     attention: str = "auto",
     cross_entropy: str = "torch",
-    linear_gelu: str = "torch",
     target: str | None = None,
     kwargs: dict | None = None,
 ) -> nn.Module:
@@ -50,7 +49,6 @@ def build_model(
         fused_loss=fused_loss,
         attention=attention,
         cross_entropy=cross_entropy,
-        linear_gelu=linear_gelu,
         **shape,
     )
     return GPT(cfg)

@@ -24,7 +24,6 @@ class GPTConfig:
     bias: bool = True
     fused_loss: bool = False
     cross_entropy: str = "torch"  # torch (F.cross_entropy) | triton (ours, logit gradients in the forward)
-    linear_gelu: str = "torch"  # torch (nn.Linear + nn.GELU) | triton (c_fc's bias gradient in our GELU backward)
     attention: str = "auto"  # SDPA backend: auto (torch picks) | flash | cudnn | efficient | math
 
 
@@ -73,18 +72,9 @@ class MLP(nn.Module):
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.fused = cfg.linear_gelu == "triton"
-        if self.fused and not cfg.bias:
-            raise ValueError("linear_gelu='triton' fuses c_fc's bias gradient: it needs bias=True")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            from trainer.compile.kernels.linear_gelu import linear_gelu
-
-            h = linear_gelu(x, self.c_fc.weight, self.c_fc.bias)
-        else:
-            h = self.gelu(self.c_fc(x))
-        return self.dropout(self.c_proj(h))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
