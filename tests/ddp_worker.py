@@ -41,13 +41,10 @@ def main(out_dir: str) -> None:
     result = {}
 
     # 1. eager, and 2. compiled with the plan splitter (pieces recorded), 3. compiled autograd (graph ops recorded),
-    # 4. eager with buckets reduced in bf16, 5./6. eager and split with the tied table's lookup gradient gathered.
-    for variant in ("eager", "split", "ca", "bf16", "gather", "gather-split"):
+    # 4. eager with buckets reduced in bf16.
+    for variant in ("eager", "split", "ca", "bf16"):
         raw = model()
-        table = raw.transformer.wte.weight
-        lookup = (raw, table) if variant.startswith("gather") else None
-        # 10 KiB: one block per bucket for this size
-        plan = plan_buckets(raw, bucket_mb=0.01, with_head=[table] if lookup else ())
+        plan = plan_buckets(raw, bucket_mb=0.01)  # 10 KiB: one block per bucket for this size
         compiled_pieces, ca_ops = [], []
 
         def record_piece(gm, example_inputs, compiled_pieces=compiled_pieces, **kw):
@@ -65,10 +62,10 @@ def main(out_dir: str) -> None:
         splitter = PlanSplitter(plan, record_piece)
         fwd = (
             raw
-            if variant in ("eager", "bf16", "gather")
-            else torch.compile(raw, backend=splitter if variant.endswith("split") else "eager")
+            if variant in ("eager", "bf16")
+            else torch.compile(raw, backend=splitter if variant == "split" else "eager")
         )
-        dp = DataParallel(fwd, plan, reduce_dtype=torch.bfloat16 if variant == "bf16" else None, lookup=lookup)
+        dp = DataParallel(fwd, plan, reduce_dtype=torch.bfloat16 if variant == "bf16" else None)
         ctx = (lambda: compiled_autograd(backend=record_ca)) if variant == "ca" else torch.enable_grad
         for _ in range(2):  # the second step reuses the compiled graphs and the buffers
             for p in raw.parameters():
@@ -94,8 +91,6 @@ def main(out_dir: str) -> None:
             "misaligned": splitter.misaligned,
             "ca_all_reduces": sum("all_reduce" in op for op in ca_ops),
             "ca_ops": len(ca_ops),
-            "sink_used": raw.lookup_sink is not None,
-            "table_bucket": plan.bucket_of()[id(table)],
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

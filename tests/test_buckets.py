@@ -81,46 +81,15 @@ def test_bad_cap_is_refused():
         plan_buckets(_gpt(1), bucket_mb=0)
 
 
-@pytest.mark.parametrize("tied", ["all_reduce", "gather"])
-def test_explain_prints_plan_and_graph_pieces(tied, tmp_path):
+def test_explain_prints_plan_and_graph_pieces(tmp_path):
     r = run_cli("explain", "configs/tiny.yaml", "compile.backend=aot_eager", "distributed.strategy=ddp",
-                "distributed.bucket_mb=0.1", "model.n_embd=64", "data.seq_len=32", f"distributed.tied_embedding={tied}",
-                "--steps", "1")  # fmt: skip
+                "distributed.bucket_mb=0.1", "model.n_embd=64", "data.seq_len=32", "--steps", "1")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "bucket plan: 6 buckets" in out
     assert "bucket  5 | embeddings" in out and "graph piece 0" in out
     assert "forward graph split into 6 pieces (one per bucket)" in out
-    if tied == "all_reduce":
-        assert "bucket  5: transformer.wpe.weight, transformer.wte.weight" in out
-    else:  # the table with the head; the lookup's detached read of it does not move bucket 0's piece
-        assert "bucket  5: transformer.wpe.weight\n" in out
-        assert "bucket  0: transformer.ln_f.bias, transformer.ln_f.weight, transformer.wte.weight\n" in out
-        assert "tied embedding (gather, 1 rank(s))" in out
-
-
-def test_tied_table_planned_with_the_head_and_when_gathering_pays():
-    from trainer.build import tied_lookup
-    from trainer.config import ConfigError, load_config
-
-    model = _gpt(4)
-    table = model.transformer.wte.weight
-    plan = plan_buckets(model, bucket_mb=1, with_head=[table])
-    assert plan.buckets[0].units[0] == "head" and "transformer.wte.weight" in plan.buckets[0].names
-    assert plan.buckets[-1].names == ("transformer.wpe.weight",)
-
-    def cfg(*o):
-        return load_config("configs/tiny.yaml", ["distributed.strategy=ddp", "data.seq_len=16", *o])
-
-    # vocab 64: gathering (tokens x world rows) moves fewer bytes than the table's all-reduce while
-    # tokens x world < 2 x 64.
-    assert tied_lookup(model, cfg("train.micro_batch_size=3"), world_size=2) == (model, table)  # 96 < 128
-    assert tied_lookup(model, cfg("train.micro_batch_size=4"), world_size=2) is None  # 128
-    assert tied_lookup(model, cfg("train.micro_batch_size=4", "distributed.tied_embedding=gather"), 2)[1] is table
-    assert tied_lookup(model, cfg("train.micro_batch_size=3", "distributed.tied_embedding=all_reduce"), 2) is None
-    assert tied_lookup(nn.Linear(2, 2), cfg("distributed.tied_embedding=gather"), 2) is None  # no sink: not ours
-    with pytest.raises(ConfigError, match="tied_embedding"):
-        cfg("distributed.tied_embedding=gather", "compile.autograd=true")
+    assert "bucket  5: transformer.wpe.weight, transformer.wte.weight" in out
 
 
 def test_rewrapping_removes_the_old_hooks():

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import torch
@@ -164,15 +163,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
         from trainer.distributed import ddp
         from trainer.distributed.buckets import plan_buckets
 
-        lookup = tied_lookup(model, cfg, env.world_size)
-        plan = plan_buckets(
-            model, cfg.distributed.bucket_mb, cfg.compile.blocks, cfg.distributed.split_tail,
-            with_head=[lookup[1]] if lookup else (),
-        )  # fmt: skip
-        say(
-            f"ddp: {len(plan.buckets)} gradient buckets (cap {cfg.distributed.bucket_mb:g} MiB)"
-            + ("; tied embedding: its lookup gradient all-gathered, the table reduced with the head" if lookup else "")
-        )
+        plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks, cfg.distributed.split_tail)
         if compile and splits_at_buckets(cfg.compile):
             splitter = ddp.PlanSplitter(plan, ddp.inner_backend(cfg.compile.backend, cfg.compile.mode))
     # A sharded model had its blocks compiled by shard(), before fully_shard.
@@ -183,28 +174,8 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
     if plan is not None:
         from trainer.distributed.fsdp import DTYPES
 
-        model = ddp.DataParallel(model, plan, reduce_dtype=DTYPES[cfg.distributed.reduce_dtype], lookup=lookup)
+        model = ddp.DataParallel(model, plan, reduce_dtype=DTYPES[cfg.distributed.reduce_dtype])
     return model, splitter
-
-
-def tied_lookup(model: nn.Module, cfg: Config, world_size: int) -> tuple[nn.Module, nn.Parameter] | None:
-    """``distributed.tied_embedding`` resolved: ``(model, table)`` when the tied table's lookup gradient is
-    all-gathered (:class:`trainer.distributed.ddp.DataParallel`'s ``lookup``), else None.
-
-    Gathering moves (world - 1) x tokens x C numbers to each rank, the ring all-reduce of the table
-    2 (world - 1) / world x vocab x C: fewer while tokens x world < 2 x vocab (GPT-2 small, B=16, T=1024:
-    up to 6 ranks). Only the built-in GPT has the lookup sink.
-    """
-    mode = cfg.distributed.tied_embedding
-    if mode == "all_reduce" or cfg.compile.autograd or not hasattr(model, "lookup_sink"):
-        return None
-    table = model.transformer.wte.weight
-    if model.lm_head.weight is not table:
-        return None
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    if mode == "auto" and tokens * world_size >= 2 * table.shape[0]:
-        return None
-    return model, table
 
 
 def shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
@@ -252,25 +223,14 @@ def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
 
     c = cfg.compile
     d = cfg.distributed
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    lookup = tied_lookup(model, cfg, world)
-    if splitter is not None:
-        plan = splitter.plan
-    else:
-        plan = plan_buckets(model, d.bucket_mb, c.blocks, d.split_tail, with_head=[lookup[1]] if lookup else ())
+    plan = splitter.plan if splitter is not None else plan_buckets(model, d.bucket_mb, c.blocks, d.split_tail)
     lines = []
     if splits_at_buckets(c):
         if splitter is None:
             splitter = ddp.PlanSplitter(plan, ddp.inner_backend("eager"))
             idx = torch.zeros(1, cfg.data.seq_len, dtype=torch.long, device=next(model.parameters()).device)
-            if lookup:  # traced as in training: the lookup reads the table detached
-                model.lookup_sink = torch.zeros((*idx.shape, lookup[1].shape[1]), device=idx.device, requires_grad=True)
-            try:
-                with torch.set_grad_enabled(lookup is not None):
-                    torch.compile(model, backend=splitter)(idx, idx)
-            finally:
-                if lookup:
-                    model.lookup_sink = None
+            with torch.no_grad():
+                torch.compile(model, backend=splitter)(idx, idx)
         pieces = {b: i for i, piece in enumerate(splitter.pieces[0]) for b in piece} if splitter.pieces else {}
         lines.append(plan.describe(pieces))
         n = len(splitter.pieces[0]) if splitter.pieces else 1
@@ -284,11 +244,6 @@ def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
             lines.append("compile.scope=blocks: one graph per block; buckets hold whole blocks")
         else:
             lines.append("eager: each bucket's all-reduce starts when its last gradient is accumulated")
-    if lookup:
-        lines.append(
-            f"tied embedding ({d.tied_embedding}, {world} rank(s)): the table is reduced with the head's bucket; "
-            "its lookup gradient (tokens x width per rank) is all-gathered after the backward and added"
-        )
     lines.append("parameters per bucket:")
     lines.append(plan.describe_params())
     return "\n".join(lines)

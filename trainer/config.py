@@ -199,11 +199,6 @@ class DistributedConfig:
     split_tail: bool = True
     """DDP bucket plan: the block ready last before the embeddings is a bucket of its own, so the blocks before
     it are reduced during its backward instead of after it (false: packed like the rest)."""
-    tied_embedding: str = _f("auto", choices=["auto", "gather", "all_reduce"])
-    """DDP, built-in GPT: how the tied embedding table's gradient is reduced. all_reduce: whole, after the backward
-    (its lookup share is complete only then), exposed; gather: with the head's bucket, early, and the lookup's
-    (tokens x width) input gradient all-gathered after the backward (fewer bytes while micro_batch_size x seq_len x
-    world size < 2 x vocab); auto: gather where it is fewer bytes and compile.autograd is off."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
@@ -307,11 +302,6 @@ class Config:
             for is_bad, key, expected in bad:
                 if is_bad:
                     raise ConfigError(f"compile.cudagraphs: needs {key}={expected}")
-        if self.distributed.tied_embedding == "gather" and self.compile.autograd:
-            raise ConfigError(
-                "distributed.tied_embedding: 'gather' adds the gathered rows outside the backward, which compiled "
-                "autograd traces; set distributed.tied_embedding=auto (all_reduce under compiled autograd)"
-            )
         if self.compile.autograd and self.distributed.strategy == "fsdp":
             # Upstream removed FSDP2 + compiled autograd support in 2.13: it runs without error and leaves
             # parameters unsharded and gradients unreduced. Refuse rather than train silently wrong.

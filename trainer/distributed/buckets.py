@@ -26,9 +26,6 @@ instead of one, 27 MiB); alone, they are reduced during its backward.
 A parameter shared by two modules (GPT-2's tied embedding and output head) appears once, under
 the name :meth:`nn.Module.named_parameters` gives it first (the embedding), so it is reduced with
 the embedding's bucket, the last: its gradient is complete only after the embedding's backward.
-With ``distributed.tied_embedding=gather`` (``with_head``) the table goes with the head instead: the
-lookup's share of its gradient is then all-gathered as the (tokens x width) input gradient after the
-backward (:class:`trainer.distributed.ddp.DataParallel`), fewer bytes than the table's at small world sizes.
 """
 
 from __future__ import annotations
@@ -101,13 +98,11 @@ def _short_units(units: tuple[str, ...]) -> str:
 Unit = tuple[str, list[tuple[str, nn.Parameter]]]  # (unit name, [(parameter name, parameter), ...])
 
 
-def _units(model: nn.Module, blocks_path: str | None, with_head=()) -> tuple[list[Unit], str | None]:
-    """``[(unit name, [(param name, param), ...]), ...]`` in forward (registration) order; the parameters in
-    ``with_head`` are moved to the head unit (ready first)."""
+def _units(model: nn.Module, blocks_path: str | None) -> tuple[list[Unit], str | None]:
+    """``[(unit name, [(param name, param), ...]), ...]`` in forward (registration) order."""
     from trainer.compile.capture import find_blocks
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    moved = {id(p) for p in with_head}
     try:
         path, _ = find_blocks(model, blocks_path)
     except ValueError:
@@ -119,9 +114,7 @@ def _units(model: nn.Module, blocks_path: str | None, with_head=()) -> tuple[lis
     before, after, per_block = [], [], {}
     for n, p in named:
         index = n[len(prefix) :].split(".", 1)[0] if n.startswith(prefix) else ""
-        if id(p) in moved:
-            after.append((n, p))
-        elif index.isdigit():
+        if index.isdigit():
             per_block.setdefault(int(index), []).append((n, p))
         elif not per_block:
             before.append((n, p))
@@ -135,9 +128,7 @@ def _units(model: nn.Module, blocks_path: str | None, with_head=()) -> tuple[lis
     return units, path
 
 
-def plan_buckets(
-    model: nn.Module, bucket_mb: float, blocks: str | None = None, split_tail: bool = True, with_head=()
-) -> BucketPlan:
+def plan_buckets(model: nn.Module, bucket_mb: float, blocks: str | None = None, split_tail: bool = True) -> BucketPlan:
     """Pack ``model``'s trainable parameters into buckets of whole units, at most ``bucket_mb`` MiB each.
 
     Args:
@@ -146,14 +137,11 @@ def plan_buckets(
         blocks: the repeated blocks' path (``compile.blocks``); None finds them (see
             :func:`trainer.compile.capture.find_blocks`) or packs per parameter if there are none.
         split_tail: the unit ready just before the last one is a bucket of its own (module docstring).
-        with_head: parameters planned with the head, whatever their name: a tied embedding table whose lookup
-            gradient does not go through autograd (``distributed.tied_embedding=gather``), so that its gradient
-            is ready when the head's is.
     """
     if bucket_mb <= 0:
         raise ValueError(f"distributed.bucket_mb: expected a positive size, got {bucket_mb}")
     cap = int(bucket_mb * MiB)
-    units, path = _units(model, blocks, with_head)
+    units, path = _units(model, blocks)
     out: list[Bucket] = []
     cur: list[tuple[str, nn.Parameter]] = []
     cur_units: list[str] = []

@@ -60,15 +60,6 @@ class DataParallel(nn.Module):
         reduce_dtype: dtype the buckets are all-reduced in (None: the gradients' own). A narrower one
             (bf16 for fp32 gradients) halves the bytes on the wire and rounds each rank's gradient to it
             before the sum; the reduced bucket is cast back to the gradients' dtype.
-        lookup: ``(owner, table)`` to all-gather a tied embedding table's lookup gradient instead of reducing
-            it with the table (``distributed.tied_embedding``). ``owner`` (the built-in GPT) adds
-            ``owner.lookup_sink``, a zero (B, T, C) leaf set here before each forward, to a lookup that reads
-            ``table`` detached: autograd then gives ``table`` only the head's share, ready first (the plan
-            puts ``table`` in the head's bucket, see ``plan_buckets(with_head=...)``), and the sink's gradient
-            is the lookup's input gradient. It completes the last bucket, whose reduction also all-gathers it
-            (with the token ids; (tokens x C) per rank instead of the (vocab x C) table) and
-            :meth:`finish_grad_sync` adds every rank's rows into ``table.grad`` (``index_add_``, the mean
-            over ranks as the reduced share). Not under compiled autograd (the hooks would be traced).
     """
 
     def __init__(
@@ -79,7 +70,6 @@ class DataParallel(nn.Module):
         *,
         broadcast: bool = True,
         reduce_dtype: torch.dtype | None = None,
-        lookup: tuple[nn.Module, nn.Parameter] | None = None,
     ):
         super().__init__()
         self.module = module
@@ -98,13 +88,6 @@ class DataParallel(nn.Module):
         self._reduced: list[tuple[torch.Tensor, dist.Work] | torch.Tensor | None] = [None] * n
         self._next = [0]  # the next bucket to start: collectives start in plan order on every rank
         self._warned_late: set[int] = set()
-        self._lookup = lookup
-        self._lookup_idx: torch.Tensor | None = None  # the token ids of the micro-batch in flight
-        self._lookup_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (its input gradient rows, ids)
-        self._gathered: tuple[torch.Tensor, torch.Tensor, list] | None = None  # every rank's, in flight
-        if lookup is not None:
-            self._counts[-1] += 1  # the sink's gradient, ready at the end of the backward, completes the last bucket
-            self._last_hook = self._make_hook(n - 1)
         if broadcast:
             with torch.no_grad():
                 for t in [*module.parameters(), *module.buffers()]:
@@ -118,52 +101,9 @@ class DataParallel(nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._lookup is not None:
-            self._lookup[0].lookup_sink = None  # the model's own lookup again
 
     def forward(self, *args, **kwargs):
-        if self._lookup is not None and torch.is_grad_enabled():
-            self._prepare_lookup(args[0] if args else next(iter(kwargs.values())))
         return self.module(*args, **kwargs)
-
-    def _prepare_lookup(self, idx: torch.Tensor) -> None:
-        owner, table = self._lookup
-        shape = (*idx.shape, table.shape[1])
-        sink = owner.lookup_sink
-        if sink is None or tuple(sink.shape) != shape:  # one per batch shape: the same tensor every step
-            sink = torch.zeros(shape, dtype=table.dtype, device=table.device, requires_grad=True)
-            self._handles.append(sink.register_post_accumulate_grad_hook(self._sink_hook))
-            owner.lookup_sink = sink
-        self._lookup_idx = idx
-
-    def _sink_hook(self, sink: torch.Tensor) -> None:
-        rows, ids = sink.grad.reshape(-1, sink.shape[-1]), self._lookup_idx.reshape(-1)
-        sink.grad = None
-        table = self._lookup[1]
-        if not self._sync:  # accumulating: this rank's lookup share joins the table's local gradient
-            if table.grad is None:
-                table.grad = torch.zeros_like(table)
-            table.grad.index_add_(0, ids, rows)
-            return
-        self._lookup_rows = (rows, ids)
-        self._last_hook(sink)
-
-    def _gather_lookup(self) -> None:
-        """Start the all-gather of every rank's lookup rows and ids (after the last bucket's all-reduce)."""
-        if self._lookup_rows is None:
-            return
-        rows, ids = self._lookup_rows
-        self._lookup_rows = None
-        world = dist.get_world_size(self._group)
-        rows = rows * (1.0 / world)  # the mean over ranks, as the table's reduced (head) share
-        all_rows = rows.new_empty((world * rows.shape[0], rows.shape[1]))
-        all_ids = ids.new_empty(world * ids.shape[0])
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        works = [
-            gather(all_rows, rows, group=self._group, async_op=True),
-            gather(all_ids, ids.contiguous(), group=self._group, async_op=True),
-        ]
-        self._gathered = (all_rows, all_ids, works)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -184,8 +124,6 @@ class DataParallel(nn.Module):
             while self._next[0] < len(self._counts) and self._ready[self._next[0]] == self._counts[self._next[0]]:
                 self._launch(self._next[0])
                 self._next[0] += 1
-            if self._next[0] == len(self._counts) and self._lookup is not None:
-                self._gather_lookup()
 
         return hook
 
@@ -252,9 +190,6 @@ class DataParallel(nn.Module):
             return None
         for bucket in self.plan.buckets[self._next[0] :]:  # in plan order, after the ones already started
             self._late(bucket)
-        if self._lookup is not None:
-            self._gather_lookup()  # (a no-op unless the last bucket was started late, just now)
-        table = self._lookup[1] if self._gathered is not None else None
         norms = []
         for bucket in self.plan.buckets:
             reduced = self._reduced[bucket.index]
@@ -268,20 +203,11 @@ class DataParallel(nn.Module):
                 # Views of the flat buffer made in C++, not one Python slice and view per parameter (host time).
                 for p, grad in zip(bucket.params, _unflatten_dense_tensors(flat, bucket.params)):
                     p.grad = grad
-            grads = [p.grad for p in bucket.params if p is not table]  # the table's norm once it is complete
-            if norm and grads:
-                norms.append(torch.nn.utils.get_total_norm(grads))
+            if norm:
+                norms.append(torch.nn.utils.get_total_norm([p.grad for p in bucket.params]))
             self._reduced[bucket.index] = None
             self._ready[bucket.index] = 0
         self._next[0] = 0
-        if table is not None:
-            all_rows, all_ids, works = self._gathered
-            self._gathered = None
-            for work in works:
-                work.wait()
-            table.grad.index_add_(0, all_ids, all_rows)
-            if norm:
-                norms.append(torch.nn.utils.get_total_norm([table.grad]))
         return torch.linalg.vector_norm(torch.stack(norms)) if norm else None
 
     def _late(self, bucket) -> None:
@@ -350,8 +276,6 @@ class PlanSplitter:
         nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
         first_use: dict[int, int] = {}  # bucket -> position of the first node using its parameters
         for i, node in enumerate(nodes):
-            if _is_detach(node):  # no gradient flows through it (a tied table read detached by its lookup)
-                continue
             used = [param_bucket[a] for a in node.all_input_nodes if a in param_bucket]
             if node in param_bucket:
                 used.append(param_bucket[node])
@@ -376,13 +300,6 @@ class PlanSplitter:
                 piece += 1
             partition[node] = piece
         return _split_and_compile(gm, example_inputs, partition, self.inner, compiler_configs)
-
-
-def _is_detach(node: torch.fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target == "detach"
-    detaches = (torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default)
-    return node.op == "call_function" and node.target in detaches
 
 
 def _split_and_compile(gm, example_inputs, partition, inner, compiler_configs):

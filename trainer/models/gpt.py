@@ -107,10 +107,6 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        # Set by trainer.distributed.ddp (distributed.tied_embedding=gather): a zero (B, T, C) leaf added to the
-        # token lookup, which then reads the table detached. The table's gradient is then only the head's (ready
-        # first in the backward); the lookup's arrives as this tensor's gradient, for the data-parallel wrapper.
-        self.lookup_sink: torch.Tensor | None = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
@@ -129,12 +125,7 @@ class GPT(nn.Module):
         B, T = idx.shape  # (B, T)
         assert T <= self.cfg.block_size, f"sequence length {T} > block_size {self.cfg.block_size}"
         pos = torch.arange(T, device=idx.device)
-        wte = self.transformer.wte
-        if self.lookup_sink is not None and torch.is_grad_enabled():
-            tok = F.embedding(idx, wte.weight.detach()) + self.lookup_sink
-        else:
-            tok = wte(idx)
-        x = self.transformer.drop(tok + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
         if targets is None:
