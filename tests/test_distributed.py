@@ -79,12 +79,18 @@ def test_two_ranks_reproduce_one_process(variant, one_process, tmp_path):
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-5)  # observed 2e-7 (Adam's update, fp32)
 
 
+def _worker_env(**extra: str) -> dict:
+    """tests/ddp_worker.py's environment: the repository first on the path, the caller's path kept (where the
+    dependencies may live, e.g. a --target install on the GPU machine)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
 def test_plan_split_and_reduction_inside_the_backward_graph(tmp_path):
     """tests/ddp_worker.py on 2 ranks: buckets, graph pieces, all-reduces in the compiled-autograd graph."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_worker_env())
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -209,8 +215,7 @@ def test_nccl_reduces_inductor_gradients_in_place(tmp_path):
     the flat copy), equal to one process's, and the norm returned while reducing is theirs."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "DDP_WORKER_DEVICE": "cuda"}  # fmt: skip
+    env = _worker_env(DDP_WORKER_DEVICE="cuda")
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
