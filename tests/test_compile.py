@@ -241,3 +241,34 @@ def test_compile_failure_stops_or_falls_back(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "compile failed at step 1" in r.stderr and "running this run eagerly" in r.stderr
     assert "done: 3 steps" in r.stdout
+
+
+def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
+    """compile.inductor_options reach torch.compile (as options=, with compile.mode's options and the trainer's
+    measured defaults under them), also through the DDP splitter's inner compiler; bad keys are config errors."""
+    import functools
+
+    from trainer.compile.capture import DEFAULT_INDUCTOR_OPTIONS, compile_kwargs, inductor_option_names
+    from trainer.config import ConfigError
+    from trainer.distributed.ddp import inner_backend
+
+    assert set(DEFAULT_INDUCTOR_OPTIONS) <= inductor_option_names()  # pinned: a torch that renames them fails here
+    kw = compile_kwargs("inductor", "default", False, False)
+    assert kw["options"] == DEFAULT_INDUCTOR_OPTIONS and "mode" not in kw
+    kw = compile_kwargs("inductor", "max-autotune-no-cudagraphs", False, False, {"triton.mix_order_reduction": True})
+    assert kw["options"]["max_autotune"] is True and kw["options"]["triton.mix_order_reduction"] is True
+    assert "options" not in compile_kwargs("aot_eager", "default", False, False)
+    with pytest.raises(ValueError, match="inductor_options"):
+        compile_kwargs("aot_eager", "default", False, False, {"max_autotune": True})
+    patched = inner_backend("inductor", "default", {"triton": {"cudagraphs": False}})  # nested, as a CLI key gives
+    assert isinstance(patched, functools.partial)
+    assert patched.keywords["config_patches"] == {**DEFAULT_INDUCTOR_OPTIONS, "triton.cudagraphs": False}
+
+    overrides = ["compile.enabled=true", "compile.inductor_options.max_autotune=true"]
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.update(kw) or model)
+    apply_compile(build_model(preset="tiny", vocab_size=64, seq_len=16), cfg.compile, say=lambda m: None)
+    assert seen["options"] == {**DEFAULT_INDUCTOR_OPTIONS, "max_autotune": True}
+    with pytest.raises(ConfigError, match="did you mean 'max_autotune'"):
+        load_config(ROOT / "configs/tiny.yaml", ["compile.inductor_options.max_autotun=true"])

@@ -165,7 +165,8 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
 
         plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks, cfg.distributed.split_tail)
         if compile and splits_at_buckets(cfg.compile):
-            splitter = ddp.PlanSplitter(plan, ddp.inner_backend(cfg.compile.backend, cfg.compile.mode))
+            c = cfg.compile
+            splitter = ddp.PlanSplitter(plan, ddp.inner_backend(c.backend, c.mode, dict(c.inductor_options)))
     # A sharded model had its blocks compiled by shard(), before fully_shard.
     if compile and cfg.compile.enabled and not is_sharded(model):
         from trainer.compile.capture import apply_compile

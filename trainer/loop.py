@@ -508,7 +508,10 @@ def _backward_context(cfg: Config):
 
     c = cfg.compile
     mode = c.mode if c.backend == "inductor" else None
-    return lambda: compiled_autograd(c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph)
+    options = dict(c.inductor_options) or None
+    return lambda: compiled_autograd(
+        c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph, options=options
+    )
 
 
 def _copy_to_host(*values):

@@ -25,11 +25,13 @@ from collections.abc import Iterator
 import torch
 
 
-def make_compiler(backend: str = "inductor", *, mode: str | None = None, dynamic: bool = False, fullgraph=True):
+def make_compiler(
+    backend: str = "inductor", *, mode: str | None = None, dynamic: bool = False, fullgraph=True, options=None
+):
     """The function compiled autograd hands each captured backward graph to."""
-    kwargs = dict(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
-    if mode and mode != "default":
-        kwargs["mode"] = mode
+    from trainer.compile.capture import compile_kwargs
+
+    kwargs = compile_kwargs(backend, mode or "default", fullgraph, dynamic, options)
 
     def compiler_fn(gm: torch.fx.GraphModule):
         return torch.compile(gm, **kwargs)
@@ -39,7 +41,12 @@ def make_compiler(backend: str = "inductor", *, mode: str | None = None, dynamic
 
 @contextlib.contextmanager
 def compiled_autograd(
-    backend: str = "inductor", *, mode: str | None = None, dynamic: bool = False, fullgraph: bool = True
+    backend: str = "inductor",
+    *,
+    mode: str | None = None,
+    dynamic: bool = False,
+    fullgraph: bool = True,
+    options: dict | None = None,
 ) -> Iterator[None]:
     """Run ``backward()`` calls inside this context through compiled autograd.
 
@@ -50,10 +57,12 @@ def compiled_autograd(
             compiles the backward for symbolic shapes; a training step has static shapes, so we
             default to False and get the same specialised kernels as the forward.
         fullgraph: fail rather than split the backward graph.
+        options: Inductor options (``compile.inductor_options``), over the trainer's defaults.
     """
     from torch._dynamo import compiled_autograd as ca
 
-    with ca._enable(make_compiler(backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph), dynamic=dynamic):
+    compiler = make_compiler(backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph, options=options)
+    with ca._enable(compiler, dynamic=dynamic):
         yield
 
 

@@ -8,6 +8,8 @@ N identical blocks share one compiled graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -39,12 +41,58 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
     return best
 
 
-def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | None) -> dict:
+# Inductor options the trainer sets unless compile.inductor_options says otherwise; each one measured.
+DEFAULT_INDUCTOR_OPTIONS = {
+    # Off: Inductor's "mix-order" reduction (torch >= 2.10) fuses each LayerNorm's weight/bias gradient reduction
+    # into the input-gradient kernel plus a small per-column reduction kernel; on gpt2-small (B=16, T=1024, bf16,
+    # graphed step) the step ran at 483K tokens/s without it and 476K with it on an H100
+    # (scripts/results/bench_step_inductor_knobs_h100.log).
+    "triton.mix_order_reduction": False,
+}
+
+
+@functools.cache
+def inductor_option_names() -> frozenset[str]:
+    """This torch's Inductor options, dotted (``torch._inductor.config``)."""
+    from torch._inductor import config
+
+    return frozenset(config.get_config_copy())
+
+
+def flat_options(options: dict | None) -> dict:
+    """``{"triton": {"cudagraphs": False}}`` (how OmegaConf reads ``compile.inductor_options.triton.cudagraphs=false``)
+    as ``{"triton.cudagraphs": False}``; dotted keys pass through."""
+    flat = {}
+    for key, value in (options or {}).items():
+        if isinstance(value, dict) and str(key) not in inductor_option_names():
+            flat.update({f"{key}.{k}": v for k, v in flat_options(value).items()})
+        else:
+            flat[str(key)] = value
+    return flat
+
+
+def inductor_options(mode: str = "default", user: dict | None = None, dynamic: bool | None = None) -> dict:
+    """The Inductor options a graph is compiled with: ``mode``'s, then the trainer's measured defaults (those this
+    torch has), then ``user``'s (``compile.inductor_options``), later wins."""
+    from torch._inductor import list_mode_options
+
+    options = dict(list_mode_options(mode, dynamic)) if mode != "default" else {}
+    options.update({k: v for k, v in DEFAULT_INDUCTOR_OPTIONS.items() if k in inductor_option_names()})
+    options.update(flat_options(user))
+    return options
+
+
+def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | None, options: dict | None = None) -> dict:
+    """``torch.compile``'s keyword arguments; with Inductor, ``mode`` goes in as its options (:func:`inductor_options`),
+    so the trainer's defaults and the user's options combine with any mode."""
     kwargs = dict(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
-    if mode != "default":
-        if backend != "inductor":
+    if backend != "inductor":
+        if mode != "default":
             raise ValueError(f"compile.mode: '{mode}' needs compile.backend=inductor (got '{backend}')")
-        kwargs["mode"] = mode
+        if options:
+            raise ValueError(f"compile.inductor_options: needs compile.backend=inductor (got '{backend}')")
+        return kwargs
+    kwargs["options"] = inductor_options(mode, options, dynamic)
     return kwargs
 
 
@@ -60,9 +108,9 @@ def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside:
     its ``_orig_mod``); with ``scope: blocks`` the model itself, its blocks compiled in place and,
     with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph.
     """
-    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic)
+    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options))
     if backend is not None:
-        kwargs.pop("mode", None)
+        kwargs.pop("options", None)  # the splitter applies them to each piece
         kwargs["backend"] = backend
     if cfg.scope == "model":
         if not cfg.loss:
