@@ -248,7 +248,7 @@ def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
     measured defaults under them), also through the DDP splitter's inner compiler; bad keys are config errors."""
     import functools
 
-    from trainer.compile.capture import DEFAULT_INDUCTOR_OPTIONS, compile_kwargs, inductor_option_names
+    from trainer.compile.capture import DEFAULT_INDUCTOR_OPTIONS, compile_kwargs, flat_options, inductor_option_names
     from trainer.config import ConfigError
     from trainer.distributed.ddp import inner_backend
 
@@ -272,3 +272,14 @@ def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
     assert seen["options"] == {**DEFAULT_INDUCTOR_OPTIONS, "max_autotune": True}
     with pytest.raises(ConfigError, match="did you mean 'max_autotune'"):
         load_config(ROOT / "configs/tiny.yaml", ["compile.inductor_options.max_autotun=true"])
+    # A wrong type is refused here, not only by torch.compile (the splitter's compile_fx would take it silently).
+    with pytest.raises(ConfigError, match="max_autotune: expected a bool, got 1"):
+        load_config(ROOT / "configs/tiny.yaml", ["compile.inductor_options.max_autotune=1"])
+    # Our CUDA graph cannot hold Inductor's, whether compile.mode or an option asks for them.
+    graphed = ["compile.enabled=true", "compile.cudagraphs=true"]
+    with pytest.raises(ConfigError, match="cannot nest"):
+        load_config(ROOT / "configs/tiny.yaml", [*graphed, "compile.inductor_options.triton.cudagraphs=true"])
+    load_config(ROOT / "configs/tiny.yaml", [*graphed, "compile.mode=reduce-overhead",
+                                             "compile.inductor_options.triton.cudagraphs=false"])  # fmt: skip
+    if "aot_inductor.metadata" in inductor_option_names():  # an option whose value is a dict, below a prefix
+        assert flat_options({"aot_inductor": {"metadata": {"a": "1"}}}) == {"aot_inductor.metadata": {"a": "1"}}

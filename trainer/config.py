@@ -163,9 +163,10 @@ class CompileConfig:
     mode: str = _f("default", choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
     """torch.compile mode."""
     inductor_options: dict[str, Any] = _f(factory=dict)
-    """Inductor options for every compiled graph (torch.compile's options=, dotted keys, e.g. {max_autotune: true,
-    "triton.cudagraphs": false}), over compile.mode's and the trainer's measured defaults (trainer.compile.capture.
-    DEFAULT_INDUCTOR_OPTIONS: triton.mix_order_reduction=false, +1.4% tokens/s on gpt2-small on an H100)."""
+    """Inductor options for the model's compiled graphs, DDP pieces and compiled autograd (torch.compile's options=,
+    dotted keys, e.g. {max_autotune: true}), over compile.mode's and the trainer's measured defaults
+    (trainer.compile.capture.DEFAULT_INDUCTOR_OPTIONS: triton.mix_order_reduction=false, +1% tokens/s on gpt2-small
+    on an H100); they win over TORCHINDUCTOR_* environment variables. Not for optim.impl=compiled."""
     fullgraph: bool = False
     """Fail on any graph break instead of splitting the graph."""
     dynamic: bool | None = False
@@ -260,17 +261,20 @@ class Config:
     """Logging and metrics."""
 
     def _check_inductor_options(self) -> None:
-        from trainer.compile.capture import flat_options, inductor_option_names
+        from trainer.compile.capture import bad_option_type, flat_options, inductor_option_names
 
         if self.compile.backend != "inductor":
             got = self.compile.backend
             raise ConfigError(f"compile.inductor_options: needs compile.backend=inductor (got '{got}')")
         names = inductor_option_names()
-        for key in flat_options(dict(self.compile.inductor_options)):
+        for key, value in flat_options(dict(self.compile.inductor_options)).items():
             if key not in names:
                 near = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
                 hint = f"; did you mean '{near[0]}'?" if near else ""
                 raise ConfigError(f"compile.inductor_options.{key}: not an Inductor option of this torch{hint}")
+            expected = bad_option_type(key, value)
+            if expected:
+                raise ConfigError(f"compile.inductor_options.{key}: expected a {expected}, got {value!r}")
 
     def __post_init__(self):
         if (
@@ -312,9 +316,10 @@ class Config:
                 (c.autograd, "compile.autograd", "false"),
                 (c.dynamic is True, "compile.dynamic", "false or null (a graph has static shapes)"),
                 (
-                    c.mode in ("reduce-overhead", "max-autotune"),
+                    _inductor_cudagraphs(c),
                     "compile.mode",
-                    "default or max-autotune-no-cudagraphs (Inductor's own CUDA graphs cannot nest in ours)",
+                    "default or max-autotune-no-cudagraphs, and no compile.inductor_options.triton.cudagraphs=true "
+                    "(Inductor's own CUDA graphs cannot nest in ours)",
                 ),
                 (self.optim.name == "sgd", "optim.name", "adamw or adam (torch's SGD has no capturable mode)"),
             ]
@@ -538,6 +543,20 @@ def _with_origin(msg: str, origin: dict[str, str], path) -> str:
     key = msg.split(":", 1)[0]
     where = origin.get(key) or (str(path) if path else "defaults")
     return f"{msg} (from {where})"
+
+
+def _inductor_cudagraphs(c: CompileConfig) -> bool:
+    """Whether Inductor would capture its own CUDA graphs: compile.mode's options with compile.inductor_options over
+    them."""
+    if c.mode in ("reduce-overhead", "max-autotune"):
+        from trainer.compile.capture import flat_options
+
+        return flat_options(dict(c.inductor_options)).get("triton.cudagraphs", True) is not False
+    if c.inductor_options:
+        from trainer.compile.capture import flat_options
+
+        return flat_options(dict(c.inductor_options)).get("triton.cudagraphs", False) is True
+    return False
 
 
 def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> None:

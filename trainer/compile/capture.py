@@ -41,7 +41,8 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
     return best
 
 
-# Inductor options the trainer sets unless compile.inductor_options says otherwise; each one measured.
+# Inductor options the trainer sets unless compile.inductor_options says otherwise; each one measured. Options
+# passed this way win over torch._inductor.config and its TORCHINDUCTOR_* environment variables.
 DEFAULT_INDUCTOR_OPTIONS = {
     # Off: Inductor's "mix-order" reduction (torch >= 2.10) fuses each LayerNorm's weight/bias gradient reduction
     # into the input-gradient kernel plus a small per-column reduction kernel; on gpt2-small (B=16, T=1024, bf16,
@@ -59,16 +60,33 @@ def inductor_option_names() -> frozenset[str]:
     return frozenset(config.get_config_copy())
 
 
-def flat_options(options: dict | None) -> dict:
+def flat_options(options: dict | None, prefix: str = "") -> dict:
     """``{"triton": {"cudagraphs": False}}`` (how OmegaConf reads ``compile.inductor_options.triton.cudagraphs=false``)
-    as ``{"triton.cudagraphs": False}``; dotted keys pass through."""
+    as ``{"triton.cudagraphs": False}``; dotted keys pass through, and so does a dict that is an option's value."""
     flat = {}
     for key, value in (options or {}).items():
-        if isinstance(value, dict) and str(key) not in inductor_option_names():
-            flat.update({f"{key}.{k}": v for k, v in flat_options(value).items()})
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name not in inductor_option_names():
+            flat.update(flat_options(value, prefix=f"{name}."))
         else:
-            flat[str(key)] = value
+            flat[name] = value
     return flat
+
+
+def bad_option_type(key: str, value) -> str | None:
+    """The type Inductor expects for ``key`` when ``value`` is not of it (what ``torch.compile(options=...)`` would
+    refuse, and ``compile_fx(config_patches=...)`` would take silently), else None."""
+    from torch._inductor import config
+
+    get_type = getattr(config, "get_type", None)
+    expected = get_type(key) if get_type is not None else None
+    if not isinstance(expected, type) or expected is type(None):
+        return None  # typing constructs (dict[str, ...], Optional[...]) and unknown types: not checked here
+    if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
+        return None
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return None
+    return expected.__name__
 
 
 def inductor_options(mode: str = "default", user: dict | None = None, dynamic: bool | None = None) -> dict:
