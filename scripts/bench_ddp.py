@@ -51,6 +51,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SPEC_PEAK = 989e12  # H100/H200 SXM dense bf16
+# The hand-written loops' seed and constant learning rate (no warm-up, no decay), so that the final losses
+# compare: every variant trains the same model on the same batches with the same hyperparameters.
+SAME_AS_USER = ["seed=0", "schedule.warmup_steps=0", "schedule.decay=constant"]
+
 VARIANTS = {
     "eager-ddp": {"kind": "user", "wrap": "ddp", "compile": False},
     "ddpoptimizer": {"kind": "user", "wrap": "ddp", "compile": True},
@@ -149,6 +153,7 @@ def run_ours(a, overrides: list[str]) -> dict:
         f"data.vocab_size={a.vocab}", f"train.steps={a.warmup + a.steps}", "train.eval_every=0",
         "train.eval_batches=1", "checkpoint.enabled=false", "log.progress=false", f"log.every={a.warmup + a.steps}",
         f"distributed.bucket_mb={a.ours_bucket_mb}", f"train.device={a.device}", f"run.dir={run_dir}",
+        *SAME_AS_USER,
         f"compile.cache_dir={os.environ.get('TORCHINDUCTOR_CACHE_DIR', run_dir)}",
         *(["train.precision=bf16"] if a.device == "cuda" else []), *[f"model.{k}={v}" for k, v in _shape(a).items()],
     ]  # fmt: skip

@@ -61,6 +61,10 @@ def _common_overrides(a) -> list[str]:
         "checkpoint.enabled=false",
         "log.progress=false",
         f"log.every={a.warmup + a.steps}",
+        # The hand-written loop's seed and constant learning rate, so that the final losses compare.
+        "seed=0",
+        "schedule.warmup_steps=0",
+        "schedule.decay=constant",
         *a.extra,
     ]
 
