@@ -270,6 +270,9 @@ def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.update(kw) or model)
     apply_compile(build_model(preset="tiny", vocab_size=64, seq_len=16), cfg.compile, say=lambda m: None)
     assert seen["options"] == {**DEFAULT_INDUCTOR_OPTIONS, "max_autotune": True}
+    # The error names the override that set an option (a key below compile.inductor_options), not the YAML.
+    with pytest.raises(ConfigError, match=r"\(got 'aot_eager'\) \(from override 'compile.inductor_options.max_aut"):
+        load_config(ROOT / "configs/tiny.yaml", ["compile.backend=aot_eager", *overrides[1:]])
     with pytest.raises(ConfigError, match="did you mean 'max_autotune'"):
         load_config(ROOT / "configs/tiny.yaml", ["compile.inductor_options.max_autotun=true"])
     # A wrong type is refused here, not only by torch.compile (the splitter's compile_fx would take it silently).

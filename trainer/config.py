@@ -541,7 +541,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def _with_origin(msg: str, origin: dict[str, str], path) -> str:
     key = msg.split(":", 1)[0]
-    where = origin.get(key) or (str(path) if path else "defaults")
+    below = [w for k, w in origin.items() if k.startswith(key + ".")]  # set by a deeper key, e.g. a mapping's entry
+    where = origin.get(key) or (below[-1] if below else None) or (str(path) if path else "defaults")
     return f"{msg} (from {where})"
 
 
