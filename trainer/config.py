@@ -549,15 +549,12 @@ def _with_origin(msg: str, origin: dict[str, str], path) -> str:
 def _inductor_cudagraphs(c: CompileConfig) -> bool:
     """Whether Inductor would capture its own CUDA graphs: compile.mode's options with compile.inductor_options over
     them."""
-    if c.mode in ("reduce-overhead", "max-autotune"):
-        from trainer.compile.capture import flat_options
+    by_mode = c.mode in ("reduce-overhead", "max-autotune")
+    if not c.inductor_options:
+        return by_mode
+    from trainer.compile.capture import flat_options
 
-        return flat_options(dict(c.inductor_options)).get("triton.cudagraphs", True) is not False
-    if c.inductor_options:
-        from trainer.compile.capture import flat_options
-
-        return flat_options(dict(c.inductor_options)).get("triton.cudagraphs", False) is True
-    return False
+    return bool(flat_options(dict(c.inductor_options)).get("triton.cudagraphs", by_mode))
 
 
 def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> None:
