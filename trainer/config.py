@@ -260,22 +260,6 @@ class Config:
     log: LogConfig = _f(factory=LogConfig)
     """Logging and metrics."""
 
-    def _check_inductor_options(self) -> None:
-        from trainer.compile.capture import bad_option_type, flat_options, inductor_option_names
-
-        if self.compile.backend != "inductor":
-            got = self.compile.backend
-            raise ConfigError(f"compile.inductor_options: needs compile.backend=inductor (got '{got}')")
-        names = inductor_option_names()
-        for key, value in flat_options(dict(self.compile.inductor_options)).items():
-            if key not in names:
-                near = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
-                hint = f"; did you mean '{near[0]}'?" if near else ""
-                raise ConfigError(f"compile.inductor_options.{key}: not an Inductor option of this torch{hint}")
-            expected = bad_option_type(key, value)
-            if expected:
-                raise ConfigError(f"compile.inductor_options.{key}: expected a {expected}, got {value!r}")
-
     def __post_init__(self):
         if (
             self.model.preset is None
@@ -300,32 +284,18 @@ class Config:
                 "optim.impl=fused (or auto) with fsdp"
             )
         if self.compile.inductor_options:
-            self._check_inductor_options()
+            from trainer.compile.capture import check_inductor_options
+
+            try:
+                check_inductor_options(self.compile.backend, dict(self.compile.inductor_options))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.compile.cudagraphs:
-            c = self.compile
-            bad = [
-                (self.distributed.strategy == "fsdp", "distributed.strategy", "none or ddp (FSDP2's hooks run Python)"),
-                (
-                    self.distributed.strategy == "ddp" and self.distributed.backend == "gloo",
-                    "distributed.backend",
-                    "auto or nccl (gloo stages CUDA tensors through the host: nothing a graph can capture)",
-                ),
-                (self.optim.impl not in ("auto", "fused", "foreach"), "optim.impl", "auto, fused or foreach"),
-                (self.train.on_nan == "skip", "train.on_nan", "stop (the update happens inside the graph)"),
-                (self.train.precision == "fp16", "train.precision", "bf16 or fp32 (no grad scaler in the graph)"),
-                (c.autograd, "compile.autograd", "false"),
-                (c.dynamic is True, "compile.dynamic", "false or null (a graph has static shapes)"),
-                (
-                    _inductor_cudagraphs(c),
-                    "compile.mode",
-                    "default or max-autotune-no-cudagraphs, and no compile.inductor_options.triton.cudagraphs=true "
-                    "(Inductor's own CUDA graphs cannot nest in ours)",
-                ),
-                (self.optim.name == "sgd", "optim.name", "adamw or adam (torch's SGD has no capturable mode)"),
-            ]
-            for is_bad, key, expected in bad:
-                if is_bad:
-                    raise ConfigError(f"compile.cudagraphs: needs {key}={expected}")
+            from trainer.compile.graphed import unmet_requirement
+
+            problem = unmet_requirement(self)
+            if problem:
+                raise ConfigError(problem)
         if self.compile.autograd and self.distributed.strategy == "fsdp":
             # Upstream removed FSDP2 + compiled autograd support in 2.13: it runs without error and leaves
             # parameters unsharded and gradients unreduced. Refuse rather than train silently wrong.
@@ -544,17 +514,6 @@ def _with_origin(msg: str, origin: dict[str, str], path) -> str:
     below = [w for k, w in origin.items() if k.startswith(key + ".")]  # set by a deeper key, e.g. a mapping's entry
     where = origin.get(key) or (below[-1] if below else None) or (str(path) if path else "defaults")
     return f"{msg} (from {where})"
-
-
-def _inductor_cudagraphs(c: CompileConfig) -> bool:
-    """Whether Inductor would capture its own CUDA graphs: compile.mode's options with compile.inductor_options over
-    them."""
-    by_mode = c.mode in ("reduce-overhead", "max-autotune")
-    if not c.inductor_options:
-        return by_mode
-    from trainer.compile.capture import flat_options
-
-    return bool(flat_options(dict(c.inductor_options)).get("triton.cudagraphs", by_mode))
 
 
 def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> None:

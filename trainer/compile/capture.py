@@ -8,6 +8,7 @@ N identical blocks share one compiled graph.
 
 from __future__ import annotations
 
+import difflib
 import functools
 
 import torch
@@ -73,7 +74,7 @@ def flat_options(options: dict | None, prefix: str = "") -> dict:
     return flat
 
 
-def bad_option_type(key: str, value) -> str | None:
+def _bad_option_type(key: str, value) -> str | None:
     """The type Inductor expects for ``key`` when ``value`` is not of it (what ``torch.compile(options=...)`` would
     refuse, and ``compile_fx(config_patches=...)`` would take silently), else None."""
     from torch._inductor import config
@@ -87,6 +88,24 @@ def bad_option_type(key: str, value) -> str | None:
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return None
     return expected.__name__
+
+
+def check_inductor_options(backend: str, options: dict | None) -> None:
+    """Raise ValueError (its message starts with the offending ``compile.*`` key) unless ``options`` are Inductor
+    options of this torch, of the right types, for the inductor backend."""
+    if not options:
+        return
+    if backend != "inductor":
+        raise ValueError(f"compile.inductor_options: needs compile.backend=inductor (got '{backend}')")
+    names = inductor_option_names()
+    for key, value in flat_options(options).items():
+        if key not in names:
+            near = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ValueError(f"compile.inductor_options.{key}: not an Inductor option of this torch{hint}")
+        expected = _bad_option_type(key, value)
+        if expected:
+            raise ValueError(f"compile.inductor_options.{key}: expected a {expected}, got {value!r}")
 
 
 def inductor_options(mode: str = "default", user: dict | None = None, dynamic: bool | None = None) -> dict:
@@ -107,8 +126,7 @@ def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | Non
     if backend != "inductor":
         if mode != "default":
             raise ValueError(f"compile.mode: '{mode}' needs compile.backend=inductor (got '{backend}')")
-        if options:
-            raise ValueError(f"compile.inductor_options: needs compile.backend=inductor (got '{backend}')")
+        check_inductor_options(backend, options)
         return kwargs
     kwargs["options"] = inductor_options(mode, options, dynamic)
     return kwargs

@@ -41,6 +41,36 @@ from collections.abc import Callable
 import torch
 
 
+def unmet_requirement(cfg) -> str | None:
+    """What a config (:class:`trainer.config.Config`) lacks for ``compile.cudagraphs``, as an error message; None
+    if nothing."""
+    from trainer.compile.capture import inductor_options
+
+    c, d = cfg.compile, cfg.distributed
+    inductor_graphs = bool(inductor_options(c.mode, dict(c.inductor_options)).get("triton.cudagraphs"))
+    bad = [
+        (d.strategy == "fsdp", "distributed.strategy", "none or ddp (FSDP2's hooks run Python)"),
+        (
+            d.strategy == "ddp" and d.backend == "gloo",
+            "distributed.backend",
+            "auto or nccl (gloo stages CUDA tensors through the host: nothing a graph can capture)",
+        ),
+        (cfg.optim.impl not in ("auto", "fused", "foreach"), "optim.impl", "auto, fused or foreach"),
+        (cfg.train.on_nan == "skip", "train.on_nan", "stop (the update happens inside the graph)"),
+        (cfg.train.precision == "fp16", "train.precision", "bf16 or fp32 (no grad scaler in the graph)"),
+        (c.autograd, "compile.autograd", "false"),
+        (c.dynamic is True, "compile.dynamic", "false or null (a graph has static shapes)"),
+        (
+            inductor_graphs,  # compile.mode's options, compile.inductor_options over them
+            "compile.mode",
+            "default or max-autotune-no-cudagraphs, and no compile.inductor_options.triton.cudagraphs=true "
+            "(Inductor's own CUDA graphs cannot nest in ours)",
+        ),
+        (cfg.optim.name == "sgd", "optim.name", "adamw or adam (torch's SGD has no capturable mode)"),
+    ]
+    return next((f"compile.cudagraphs: needs {key}={expected}" for is_bad, key, expected in bad if is_bad), None)
+
+
 def make_capturable(opt: torch.optim.Optimizer) -> None:
     """Switch a torch optimizer to ``capturable=True`` with a device-tensor ``lr`` (before the first capture)."""
     device = next(p.device for g in opt.param_groups for p in g["params"])

@@ -324,15 +324,11 @@ def _split_and_compile(gm, example_inputs, partition, inner, compiler_configs):
 def inner_backend(backend: str, mode: str = "default", options: dict | None = None) -> Callable:
     """The compiler each graph piece goes to: ``backend`` by name; Inductor with ``mode``'s options, the
     trainer's defaults and ``options`` (:func:`trainer.compile.capture.inductor_options`)."""
+    from trainer.compile.capture import compile_kwargs
+
+    patches = compile_kwargs(backend, mode, False, None, options).get("options")  # checks them, as for torch.compile
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        from trainer.compile.capture import inductor_options
-
-        patches = inductor_options(mode, options)
-        return functools.partial(compile_fx, config_patches=patches) if patches else compile_fx
-    if mode != "default":
-        raise ValueError(f"compile.mode: '{mode}' needs compile.backend=inductor (got '{backend}')")
-    if options:
-        raise ValueError(f"compile.inductor_options: needs compile.backend=inductor (got '{backend}')")
+        return functools.partial(compile_fx, config_patches=patches)
     return torch._dynamo.lookup_backend(backend)
