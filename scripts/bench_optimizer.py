@@ -11,7 +11,13 @@ biases, as the fit loop builds them). Rows:
 - ``foreach``, ``fused``: torch.optim.AdamW as is.
 - ``torch.compile``: ``torch.compile(opt.step)`` as a user writes it (Python-float LR).
 - ``compile_optimizer``: our drop-in (LR on the device, capturable step, Inductor).
-- ``triton``, ``triton+clip``: TritonAdamW, without and with fused global-norm clipping.
+- ``triton``, ``triton+clip``: TritonAdamW over flat gradient buffers, without and with fused global-norm
+  clipping.
+- ``triton-table``, ``triton-table+clip``: TritonAdamW reading the gradients where autograd left them through
+  an address table (``flat_grads=False``, what ``optim.impl=triton`` builds).
+- ``fused+clip``: what the fit loop does with torch's fused AdamW: ``get_total_norm`` of the gradients, then
+  the step divides them by ``grad_scale`` (the clip) inside its kernel and writes them back (36 bytes per
+  parameter); ``-capturable``: the same as the graphed step runs it (``capturable=True``, lr on the device).
 - ``*-bf16``: bf16 parameters and gradients (torch's AdamW, also under compile_optimizer, keeps bf16
   states; TritonAdamW keeps fp32 states).
 
@@ -59,6 +65,10 @@ ROWS = [
     "compile_optimizer",
     "triton",
     "triton+clip",
+    "fused+clip",
+    "fused+clip-capturable",
+    "triton-table",
+    "triton-table+clip",
     "fused-bf16",
     "compile_optimizer-bf16",
     "triton-bf16",
@@ -71,6 +81,10 @@ BYTES = {  # bytes per parameter moved by one step at the floor
     "compile_optimizer": 28,
     "triton": 28,
     "triton+clip": 32,
+    "fused+clip": 36,
+    "fused+clip-capturable": 36,
+    "triton-table": 28,
+    "triton-table+clip": 32,
     "fused-bf16": 14,
     "compile_optimizer-bf16": 14,
     "triton-bf16": 22,
@@ -114,8 +128,21 @@ def build_row(row, groups, backend):
         return torch.compile(torch.optim.AdamW(groups, foreach=True, **kw).step, backend=backend)
     if name == "compile_optimizer":
         return compile_optimizer(torch.optim.AdamW(groups, foreach=True, **kw), backend=backend).step
-    if name in ("triton", "triton+clip"):
-        return TritonAdamW(groups, max_grad_norm=1.0 if name == "triton+clip" else 0.0, **kw).step
+    if name in ("triton", "triton+clip", "triton-table", "triton-table+clip"):
+        clip = 1.0 if name.endswith("+clip") else 0.0
+        return TritonAdamW(groups, max_grad_norm=clip, flat_grads=not name.startswith("triton-table"), **kw).step
+    if name in ("fused+clip", "fused+clip-capturable"):
+        params = [p for g in groups for p in g["params"]]
+        if name.endswith("capturable"):
+            kw = dict(kw, lr=torch.tensor(LR, device=params[0].device), capturable=True)
+        opt = torch.optim.AdamW(groups, fused=True, **kw)
+
+        def step():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            opt.grad_scale = torch.clamp((norm.float() + 1e-6) / 1.0, min=1.0)
+            opt.step()
+
+        return step
     raise ValueError(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
 
 

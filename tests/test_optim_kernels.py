@@ -253,20 +253,23 @@ def _run_pair(ours, theirs, ps, qs, steps, max_norm=0.0, sched=None, seed=1):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("max_norm", [0.0, 1.0], ids=["noclip", "clip"])
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", "adamw-table", "sgd"])
 def test_optimizers_over_many_small_tensors_match_float64(kind, dtype, max_norm):
     # 32 tensors of 1..4097 elements in one flat group per dtype: every parameter lands at its own
-    # offset, block boundaries fall inside tensors, padding sits between them.
+    # offset, block boundaries fall inside tensors, padding sits between them. adamw-table: gradients
+    # read through the address table (lengths not multiples of 16: the unaligned kernel variant).
     ps = _params(MANY_SMALL, dtype=dtype)
     lr, wd = 0.05, 0.1
-    if kind == "adamw":
-        opt = TritonAdamW(ps, lr=lr, betas=(0.9, 0.95), weight_decay=wd, max_grad_norm=max_norm)
+    if kind.startswith("adamw"):
+        opt = TritonAdamW(
+            ps, lr=lr, betas=(0.9, 0.95), weight_decay=wd, max_grad_norm=max_norm, flat_grads=kind == "adamw"
+        )
     else:
         opt = TritonSGD(ps, lr=lr, momentum=0.9, nesterov=True, weight_decay=wd, max_grad_norm=max_norm)
     gen = torch.Generator().manual_seed(2)
     for k in range(1, 4):
         prev = [p.detach().cpu().double() for p in ps]
-        keys = TritonAdamW.state_keys if kind == "adamw" else TritonSGD.state_keys
+        keys = TritonAdamW.state_keys if kind.startswith("adamw") else TritonSGD.state_keys
         states = [
             {
                 key: (opt.state[p][key].cpu().double() if k > 1 else torch.zeros(p.shape, dtype=torch.float64))
@@ -280,7 +283,7 @@ def test_optimizers_over_many_small_tensors_match_float64(kind, dtype, max_norm)
         opt.step()
         clip = _clip_coef(grads64, max_norm)
         for p, p64, g64, st in zip(ps, prev, grads64, states):
-            if kind == "adamw":
+            if kind.startswith("adamw"):
                 ref, m, v = _ref_adamw(
                     p64, g64, st["exp_avg"], st["exp_avg_sq"], k, lr, 0.9, 0.95, 1e-8, wd, True, clip
                 )
@@ -301,10 +304,12 @@ def test_optimizers_over_many_small_tensors_match_float64(kind, dtype, max_norm)
     "ours_cls,theirs_cls,kw",
     [
         (TritonAdamW, torch.optim.AdamW, dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)),
+        (TritonAdamW, torch.optim.AdamW, dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, flat_grads=False)),
         (TritonAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.1)),
+        (TritonAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.1, flat_grads=False)),
         (TritonSGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     ],
-    ids=["adamw", "adam", "sgd"],
+    ids=["adamw", "adamw-table", "adam", "adam-table", "sgd"],
 )
 @pytest.mark.parametrize("max_norm", [0.0, 1.0], ids=["noclip", "clip"])
 def test_triton_optimizers_follow_torch(ours_cls, theirs_cls, kw, max_norm):
@@ -312,8 +317,9 @@ def test_triton_optimizers_follow_torch(ours_cls, theirs_cls, kw, max_norm):
     qs = _clone_params(ps)
     kw = dict(kw)
     wd = kw.pop("weight_decay")
+    ours_only = {k: kw.pop(k) for k in ("flat_grads",) if k in kw}
     groups = lambda params: [{"params": params[:20], "weight_decay": wd}, {"params": params[20:], "weight_decay": 0.0}]
-    ours = ours_cls(groups(ps), max_grad_norm=max_norm, **kw)
+    ours = ours_cls(groups(ps), max_grad_norm=max_norm, **kw, **ours_only)
     theirs = theirs_cls(groups(qs), foreach=False, **kw)
     sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5)
     _run_pair(ours, theirs, ps, qs, steps=15, max_norm=max_norm, sched=sched)
@@ -411,6 +417,44 @@ def test_triton_optimizer_survives_storage_replacement_and_grad_none():
     assert ours._flats[0][1].owns_params()
 
 
+def test_table_mode_leaves_gradients_to_autograd():
+    """flat_grads=False: gradients are autograd's own tensors (not copied into a buffer), zero_grad sets them
+    to None as torch's does, and a None gradient counts as zero, as in the flat mode."""
+    shapes = [(5, 3), (7,), (2049,)]
+    ps_flat, ps_table = _params(shapes), _params(shapes)
+    flat = TritonAdamW(ps_flat, lr=0.01, weight_decay=0.1, max_grad_norm=1.0)
+    table = TritonAdamW(ps_table, lr=0.01, weight_decay=0.1, max_grad_norm=1.0, flat_grads=False)
+    gen = torch.Generator().manual_seed(4)
+    for k in range(4):
+        grads = [torch.randn(s, generator=gen).to(DEVICE) for s in shapes]
+        if k == 2:
+            grads[1] = None  # one parameter without a gradient this step
+        for p, q, g in zip(ps_flat, ps_table, grads):
+            p.grad = None if g is None else g.clone()
+            q.grad = g
+        table_grads = [q.grad for q in ps_table]
+        flat.step()
+        table.step()
+        assert all(q.grad is g for q, g in zip(ps_table, table_grads))  # untouched, not re-pointed
+        for p, q in zip(ps_flat, ps_table):
+            # The same update arithmetic; the norms' partial sums group differently (fp32 rounding of the clip
+            # coefficient): observed 0 or 1 ulp of O(1) params.
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        torch.testing.assert_close(flat.last_grad_norm, table.last_grad_norm, rtol=1e-6, atol=0)
+        flat.zero_grad()
+        table.zero_grad()
+        assert all(q.grad is None for q in ps_table)
+    assert table.state_dict()["state"][0]["step"].item() == 4
+
+
+def test_table_mode_refuses_a_strided_gradient():
+    (p,) = _params([(8,)])
+    opt = TritonAdamW([p], lr=0.01, flat_grads=False)
+    p.grad = torch.zeros(16, device=DEVICE)[::2]  # the kernel reads whole contiguous gradients
+    with pytest.raises(ValueError, match="gradient of a \\(8,\\) parameter: expected a contiguous torch.float32"):
+        opt.step()
+
+
 def test_grad_norm_before_step_is_reused():
     ps = _params([(5, 3), (7,)])
     opt = TritonAdamW(ps, lr=0.01, max_grad_norm=0.1)
@@ -477,7 +521,7 @@ def test_build_optimizer_triton_clips_and_reports():
 _NO_INTERPRETER = r"""
 import json, torch
 out = {}
-from trainer.compile.kernels import adamw, grad_norm, sgd
+from trainer.compile.kernels import adamw, grad_norm, grad_table, sgd
 try:
     adamw.TritonAdamW([torch.nn.Parameter(torch.zeros(3))])
 except ValueError as e:
@@ -504,6 +548,17 @@ try:
         out["sumsq_" + dt] = vector_accesses(grad_norm._sumsq_partials_kernel, {"X_ptr": "*" + dt,
             "Partials_ptr": "*fp32", "n_elements": "i32", "BLOCK_SIZE": "constexpr"},
             {"BLOCK_SIZE": grad_norm.BLOCK_SIZE})
+        # The address-table kernels (ALIGNED: the host checked 16-byte addresses and lengths).
+        table = {"GradPtrs_ptr": "*i64", "BlockTensor_ptr": "*i32", "BlockStart_ptr": "*i64", "Numel_ptr": "*i64"}
+        tl_dtype = grad_table._TL_DTYPES[{"fp32": torch.float32, "bf16": torch.bfloat16}[dt]]
+        out["adamw_table_" + dt] = vector_accesses(grad_table._adamw_blocks_kernel, {"Param_ptr": "*fp32",
+            "ExpAvg_ptr": "*fp32", "ExpAvgSq_ptr": "*fp32", **table, "Coefs_ptr": "*fp32", "DECOUPLED": "constexpr",
+            "HAS_CLIP": "constexpr", "GRAD_DTYPE": "constexpr", "ALIGNED": "constexpr", "BLOCK_SIZE": "constexpr"},
+            {"DECOUPLED": True, "HAS_CLIP": True, "GRAD_DTYPE": tl_dtype, "ALIGNED": True,
+             "BLOCK_SIZE": grad_table.BLOCK_SIZE})
+        out["sumsq_table_" + dt] = vector_accesses(grad_table._sumsq_blocks_kernel, {**table, "Partials_ptr": "*fp32",
+            "GRAD_DTYPE": "constexpr", "ALIGNED": "constexpr", "BLOCK_SIZE": "constexpr"},
+            {"GRAD_DTYPE": tl_dtype, "ALIGNED": True, "BLOCK_SIZE": grad_table.BLOCK_SIZE})
 except Exception as e:
     out["ptx_error"] = repr(e)
 print(json.dumps(out))
@@ -529,7 +584,7 @@ def test_kernels_lower_to_16_byte_accesses_on_h100(no_interpreter_run):
         pytest.skip(f"no ptxas: {no_interpreter_run['ptx_error']}")
     assert "ptx_error" not in no_interpreter_run, no_interpreter_run["ptx_error"]
     # (tensors streamed in, tensors streamed out): each must be read/written in 16-byte vectors.
-    streams = {"adamw": (4, 3), "sgd": (3, 2), "sumsq": (1, 0)}
+    streams = {"adamw": (4, 3), "sgd": (3, 2), "sumsq": (1, 0), "adamw_table": (4, 3), "sumsq_table": (1, 0)}
     for name, (n_in, n_out) in streams.items():
         for dt in ("fp32", "bf16"):
             loads, stores = no_interpreter_run[f"{name}_{dt}"]
@@ -552,3 +607,46 @@ def test_triton_adamw_matches_fused_on_gpu(dtype):
     tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-5, atol=4e-3)}[dtype]
     for p, q in zip(ps, qs):
         torch.testing.assert_close(p, q, **tol)
+
+
+@pytest.mark.gpu
+def test_triton_adamw_table_step_replays_in_a_cuda_graph():
+    """flat_grads=False captured in a CUDA graph: each replay reads that step's gradients (the addresses copied
+    inside the graph), the schedule's lr written by before_graph_replay, and the host counts the steps."""
+    shapes = [(50304, 64), (64,), (192, 64), (3,)]
+    ps = _params(shapes)
+    qs = _clone_params(ps)
+    ours = TritonAdamW(ps, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0, flat_grads=False)
+    theirs = torch.optim.AdamW(qs, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ours, theirs)]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    static = [torch.empty(s, device="cuda") for s in shapes]  # the gradients the graph reads
+
+    def new_grads():
+        for g in static:
+            g.normal_(generator=gen)
+        for p, q, g in zip(ps, qs, static):
+            p.grad = g
+            q.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(qs, 1.0)
+
+    new_grads()
+    ours.step()  # one ordinary step first: builds the flat buffers (not capturable)
+    theirs.step()
+    for s in scheds:
+        s.step()
+    graph = torch.cuda.CUDAGraph()
+    ours.before_graph_replay()
+    with torch.cuda.graph(graph):
+        ours.step()
+    for _ in range(5):
+        new_grads()
+        ours.before_graph_replay()
+        graph.replay()
+        ours.after_graph_replay()
+        theirs.step()
+        for s in scheds:
+            s.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # fp32, other operation order: ~1 ulp per step
+    assert ours.state_dict()["state"][0]["step"].item() == theirs.state_dict()["state"][0]["step"].item() == 6

@@ -186,8 +186,8 @@ class CompileConfig:
     """On a compile failure: stop (error) or log loudly and run eagerly (eager)."""
     cudagraphs: bool = False
     """CUDA only: after 3 ordinary steps, capture the whole step (forward, backward, clip, optimizer) as one CUDA
-    graph and replay it (with ddp, the bucket all-reduces too); needs static shapes, a torch optimizer (optim.impl
-    auto/fused/foreach), not fsdp."""
+    graph and replay it (with ddp, the bucket all-reduces too); needs static shapes, optim.impl
+    auto/fused/foreach/triton (adamw or adam), not fsdp."""
     cache_dir: str | None = None
     """Compile cache directory; null = inside the run directory."""
 

@@ -10,7 +10,9 @@ What makes the replay equal to the ungraphed step:
 
 - The optimizer runs with ``capturable=True`` and its learning rate in a device tensor, so the
   schedule's new value each step (``LRScheduler`` writes a tensor ``lr`` with ``fill_``) is read by
-  the replayed kernels; the step counter lives on the device as well.
+  the replayed kernels; the step counter lives on the device as well. Our Triton AdamW
+  (``optim.impl=triton``) keeps its hyperparameters on the device anyway: its ``before_graph_replay``
+  writes a changed lr there before each replay, and ``after_graph_replay`` counts the step on the host.
 - Gradients are allocated inside the capture (they are None before it) from the graph's memory
   pool and rewritten by every replay; nothing may set them to None afterwards.
 - Loss and gradient norm are static output tensors of the graph, rewritten by every replay; each
@@ -55,7 +57,7 @@ def unmet_requirement(cfg) -> str | None:
             "distributed.backend",
             "auto or nccl (gloo stages CUDA tensors through the host: nothing a graph can capture)",
         ),
-        (cfg.optim.impl not in ("auto", "fused", "foreach"), "optim.impl", "auto, fused or foreach"),
+        (cfg.optim.impl not in ("auto", "fused", "foreach", "triton"), "optim.impl", "auto, fused, foreach or triton"),
         (cfg.train.on_nan == "skip", "train.on_nan", "stop (the update happens inside the graph)"),
         (cfg.train.precision == "fp16", "train.precision", "bf16 or fp32 (no grad scaler in the graph)"),
         (c.autograd, "compile.autograd", "false"),
@@ -107,10 +109,17 @@ class GraphedStep:
     """
 
     def __init__(self, step_fn: Callable, opt: torch.optim.Optimizer, params, xs: torch.Tensor, ys: torch.Tensor):
-        make_capturable(opt)
+        # Our Triton optimizers keep their hyperparameters on the device already: they are written before each
+        # replay (a schedule's new lr) and the host counts the replays' steps; torch's are made capturable.
+        self._before = getattr(opt, "before_graph_replay", None)
+        self._after = getattr(opt, "after_graph_replay", None)
+        if self._before is None:
+            make_capturable(opt)
         self.xs, self.ys = xs.clone(), ys.clone()
         for p in params:
             p.grad = None  # allocated by the captured backward, in the graph's pool
+        if self._before is not None:
+            self._before()
         self.graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(self.graph):
@@ -123,5 +132,9 @@ class GraphedStep:
             raise ValueError(f"graphed step: batch shape {got} differs from the captured {captured}")
         self.xs.copy_(xs, non_blocking=True)
         self.ys.copy_(ys, non_blocking=True)
+        if self._before is not None:
+            self._before()
         self.graph.replay()
+        if self._after is not None:
+            self._after()
         return self.loss.clone(), None if self.grad_norm is None else self.grad_norm.clone()

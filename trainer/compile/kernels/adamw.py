@@ -216,6 +216,9 @@ class TritonAdamW(FlatOptimizer):
         weight_decay: Weight decay (decoupled for AdamW).
         max_grad_norm: Clip gradients to this global L2 norm inside the step; 0 disables. The
             pre-clip norm is left in ``last_grad_norm`` (a device tensor) for logging.
+        flat_grads: Gradients in a flat buffer too (default), or left where autograd puts them and read
+            through a table of addresses (:mod:`trainer.compile.kernels.grad_table`): no ``grad += new``
+            in the backward and no zeroing, for a single GPU without gradient accumulation.
         decoupled_weight_decay: AdamW (true) or Adam with an L2 penalty (false).
 
     Raises:
@@ -234,6 +237,7 @@ class TritonAdamW(FlatOptimizer):
         *,
         max_grad_norm: float = 0.0,
         decoupled_weight_decay: bool = True,
+        flat_grads: bool = True,
     ):
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -257,7 +261,7 @@ class TritonAdamW(FlatOptimizer):
             fused=None,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        super().__init__(params, defaults, max_grad_norm)
+        super().__init__(params, defaults, max_grad_norm, flat_grads=flat_grads)
 
     def _kernel(self):
         return _adamw_kernel
@@ -275,6 +279,10 @@ class TritonAdamW(FlatOptimizer):
 
     def _update(self, group, flat: FlatGroup, bufs, step, hparams, grad_norm) -> None:
         decoupled = bool(group.get("decoupled_weight_decay", self.defaults["decoupled_weight_decay"]))
+        if not self.flat_grads:
+            m, v = bufs["exp_avg"], bufs["exp_avg_sq"]
+            flat.table.launch_adamw(flat.param, m, v, step, hparams, grad_norm, decoupled)
+            return
         adamw_step(flat.param, flat.grad, bufs["exp_avg"], bufs["exp_avg_sq"], step, hparams, grad_norm, decoupled)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -295,7 +303,9 @@ class TritonAdam(TritonAdamW):
         weight_decay: float = 0.0,
         *,
         max_grad_norm: float = 0.0,
+        flat_grads: bool = True,
     ):
         super().__init__(
-            params, lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, decoupled_weight_decay=False
-        )
+            params, lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, decoupled_weight_decay=False,
+            flat_grads=flat_grads,
+        )  # fmt: skip

@@ -55,6 +55,11 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def triton_can_run(device: torch.device, kernel: Any) -> bool:
     """Whether ``kernel`` (a ``@triton.jit`` function) can run on tensors of ``device``.
 
@@ -80,6 +85,9 @@ class FlatGroup:
         params: Leaf tensors (usually ``nn.Parameter``) of a single dtype and device. Their data is
             copied into the flat buffer and ``p.data`` re-pointed at a view of it; their current
             ``.grad`` (if any) is copied into the flat gradient buffer and ``p.grad`` re-pointed.
+        flat_grads: False leaves gradients alone (no gradient buffer; ``grad`` and ``grads`` are None):
+            for kernels that read them where autograd put them (:mod:`trainer.compile.kernels.grad_table`).
+        align: Each parameter's start, in elements (default: 64 bytes and at least 16 elements).
 
     Attributes:
         params: The parameters, in order.
@@ -92,7 +100,7 @@ class FlatGroup:
         device: Device of every buffer.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor], *, flat_grads: bool = True, align: int | None = None):
         params = list(params)
         if not params:
             raise ValueError("FlatGroup needs at least one parameter")
@@ -105,7 +113,7 @@ class FlatGroup:
                 )
         if len({id(p) for p in params}) != len(params):
             raise ValueError("FlatGroup got the same parameter twice")
-        align = max(16, ALIGN_BYTES // params[0].element_size())  # elements
+        align = align or max(16, ALIGN_BYTES // params[0].element_size())  # elements
         self.offsets: list[int] = []
         numel = 0
         for p in params:
@@ -116,16 +124,18 @@ class FlatGroup:
         self.dtype = dtype
         self.device = device
         self.param = torch.zeros(numel, dtype=dtype, device=device)
-        self.grad = torch.zeros(numel, dtype=dtype, device=device)
+        self.grad = torch.zeros(numel, dtype=dtype, device=device) if flat_grads else None
+        self.grads = None
         with torch.no_grad():
             for p, view in zip(params, self.views(self.param)):
                 view.copy_(p)
                 p.data = view
-            self.grads = self.views(self.grad)
-            for p, view in zip(params, self.grads):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
+            if flat_grads:
+                self.grads = self.views(self.grad)
+                for p, view in zip(params, self.grads):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
         self._data_ptrs = [p.data_ptr() for p in params]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -146,8 +156,10 @@ class FlatGroup:
 
         Autograd accumulates in place into an existing ``.grad``, so this is a no-op on the normal
         path; it matters after ``model.zero_grad()`` (which sets ``.grad`` to ``None``) or after
-        code assigns ``p.grad``. ``None`` becomes zeros.
+        code assigns ``p.grad``. ``None`` becomes zeros. Nothing to do without flat gradients.
         """
+        if self.grads is None:
+            return
         for p, view in zip(self.params, self.grads):
             g = p.grad
             if g is view:
@@ -158,8 +170,17 @@ class FlatGroup:
                 view.copy_(g)
             p.grad = view
 
-    def zero_grad(self) -> None:
-        """Zero the flat gradient buffer in place (one memset) and re-point any replaced ``.grad``."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffer in place (one memset) and re-point any replaced ``.grad``; without
+        flat gradients, as ``torch.optim.Optimizer.zero_grad``."""
+        if self.grads is None:
+            for p in self.params:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+            return
         self.grad.zero_()
         for p, view in zip(self.params, self.grads):
             if p.grad is not view:
@@ -182,16 +203,24 @@ class FlatOptimizer(torch.optim.Optimizer):
         defaults: Default hyperparameters.
         max_grad_norm: Clip gradients to this global L2 norm inside the step (0 disables). The norm
             is computed on device and read by the update kernel from device memory: no host sync.
+        flat_grads: Keep gradients in flat buffers too (see the module docstring); False leaves them where
+            autograd puts them and the kernels read them through a table of their addresses
+            (:mod:`trainer.compile.kernels.grad_table`), so ``zero_grad`` sets them to None as torch's does.
+
+    CUDA graphs: ``step()`` may be captured. Call ``before_graph_replay()`` before each replay (and before
+    the capture: it writes the hyperparameters a schedule changed, which a captured write would freeze) and
+    ``after_graph_replay()`` after it (the host's step count, for ``state_dict``).
     """
 
     state_keys: tuple[str, ...] = ()
     state_has_step = True  # torch's AdamW keeps a per-parameter 'step'; its SGD does not
 
-    def __init__(self, params: Any, defaults: dict[str, Any], max_grad_norm: float = 0.0):
+    def __init__(self, params: Any, defaults: dict[str, Any], max_grad_norm: float = 0.0, *, flat_grads: bool = True):
         if max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
         super().__init__(params, defaults)
         self.max_grad_norm = float(max_grad_norm)
+        self.flat_grads = flat_grads
         self.clips_grad_norm = self.max_grad_norm > 0
         self.last_grad_norm: torch.Tensor | None = None
         self._pending_norm: torch.Tensor | None = None  # from grad_norm(), used by the next step
@@ -259,7 +288,13 @@ class FlatOptimizer(torch.optim.Optimizer):
                 if dtype not in (torch.float32, torch.bfloat16, torch.float16):
                     # The kernels compute in fp32: float64 parameters would lose precision.
                     raise ValueError(f"{type(self).__name__} supports fp32, bf16 and fp16 parameters, got {dtype}")
-                flat = FlatGroup(ps)
+                if self.flat_grads:
+                    flat = FlatGroup(ps)
+                else:
+                    from trainer.compile.kernels import grad_table
+
+                    flat = FlatGroup(ps, flat_grads=False, align=grad_table.BLOCK_SIZE)
+                    flat.table = grad_table.GradTable(ps, flat.offsets, flat.numel)
                 bufs = {k: flat.zeros(torch.float32) for k in self.state_keys}
                 # torch keeps a step per parameter; a flat group steps as one. They agree unless
                 # some parameter never had a gradient, and then the group takes the largest.
@@ -319,6 +354,11 @@ class FlatOptimizer(torch.optim.Optimizer):
             values = self._hparams(group)
             old = self._hparams_host[gi]
             if values != old:
+                if capturing():
+                    raise RuntimeError(
+                        f"{type(self).__name__}: hyperparameters changed during a CUDA graph capture, where their "
+                        "write would be frozen into the graph; call before_graph_replay() before capturing"
+                    )
                 dev = self._hparams_dev[gi]
                 for i, v in enumerate(values):
                     if old is None or old[i] != v:
@@ -341,8 +381,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 loss = closure()
         first = self._flats is None
         self._maybe_build()
-        for _, flat in self._flats:
-            flat.sync_grads()
+        self._load_grads()
         self._sync_hparams()
         grad_norm, self._pending_norm = self._pending_norm, None
         if self.clips_grad_norm and grad_norm is None:
@@ -350,16 +389,40 @@ class FlatOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = grad_norm
         if not self.clips_grad_norm:
             grad_norm = None
-        for i, ((gi, flat), bufs, step) in enumerate(zip(self._flats, self._bufs, self._steps)):
+        for (gi, flat), bufs, step in zip(self._flats, self._bufs, self._steps):
             self._update(self.param_groups[gi], flat, bufs, step, self._hparams_dev[gi], grad_norm)
+        if not capturing():  # a capture runs nothing: each replay counts
+            self.after_graph_replay()
+        elif first:
+            self._refresh_state()
+        return loss
+
+    def before_graph_replay(self) -> None:
+        """Write the hyperparameters (a schedule's new lr) to the device buffers a captured ``step()`` reads."""
+        self._maybe_build()
+        self._sync_hparams()
+
+    def after_graph_replay(self) -> None:
+        """Count a step taken by a replay of a captured ``step()`` (the device counters count themselves)."""
+        first = not any(self._host_steps)
+        for i in range(len(self._host_steps)):
             self._host_steps[i] += 1
         if first or any(h == 1 for h in self._host_steps):
             self._refresh_state()
-        return loss
+
+    def _load_grads(self) -> None:
+        for _, flat in self._flats:
+            flat.sync_grads()
+            if not self.flat_grads:
+                flat.table.load_grads()
 
     def _global_norm(self) -> torch.Tensor:
         if not self._flats:
             return torch.zeros((), dtype=torch.float32)
+        if not self.flat_grads:
+            from trainer.compile.kernels.grad_table import tables_norm
+
+            return tables_norm([flat.table for _, flat in self._flats])
         from trainer.compile.kernels.grad_norm import grad_norm
 
         return grad_norm([flat.grad for _, flat in self._flats])
@@ -373,8 +436,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         step whose norm is not finite. Without ``max_grad_norm`` it is only a measurement.
         """
         self._maybe_build()
-        for _, flat in self._flats:
-            flat.sync_grads()
+        self._load_grads()
         self._pending_norm = self._global_norm()
         return self._pending_norm
 
@@ -385,7 +447,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             super().zero_grad(set_to_none=set_to_none)
             return
         for _, flat in self._flats:
-            flat.zero_grad()
+            flat.zero_grad(set_to_none)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
