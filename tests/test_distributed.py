@@ -183,6 +183,7 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path):
 
 GPU_VARIANTS = {
     "ddp-compiled": ["distributed.strategy=ddp", "compile.enabled=true"],
+    "ddp-compiled-triton-adamw": ["distributed.strategy=ddp", "compile.enabled=true", "optim.impl=triton"],
     "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.autograd=true"],
     "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true"],
 }
@@ -229,12 +230,14 @@ def test_nccl_reduces_inductor_gradients_in_place(tmp_path):
 
 
 @pytest.mark.multi_gpu
-def test_graphed_ddp_step_equals_ungraphed_on_two_gpus(tmp_path):
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_graphed_ddp_step_equals_ungraphed_on_two_gpus(tmp_path, impl):
     """compile.cudagraphs with ddp: the bucket all-reduces captured in the step's CUDA graph (fp32, accumulation,
-    clipping, 12 steps): the replays give the ungraphed run's losses, and the graph was captured."""
+    clipping, 12 steps): the replays give the ungraphed run's losses, and the graph was captured; with torch's
+    fused AdamW and with ours (which reads the reduced gradients through its address table)."""
     common = [*COMMON, "train.steps=12", "train.device=cuda", "train.precision=fp32", "distributed.strategy=ddp",
               "compile.enabled=true", "distributed.bucket_mb=0.01", "train.micro_batch_size=2", "train.grad_accum=2",
-              "optim.grad_clip=1.0", "model.dropout=0.0"]  # fmt: skip
+              "optim.grad_clip=1.0", "model.dropout=0.0", f"optim.impl={impl}"]  # fmt: skip
     runs = {}
     for graphs in ("false", "true"):
         r = _torchrun(2, *common, f"compile.cudagraphs={graphs}", f"run.dir={tmp_path / graphs}")
