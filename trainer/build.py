@@ -59,6 +59,8 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
         momentum=o.momentum,
         max_grad_norm=o.grad_clip,
         device=device,
+        sharded=is_sharded(model),
+        scaled=amp_dtype(cfg.train.precision, device) == torch.float16,
     )
 
 

@@ -22,8 +22,8 @@ and state and runs a ``torch.compile``-d copy of its step. What it does that a b
   ``Optimizer.step``'s code: Dynamo would stop compiling the ninth and later optimizers in a process.
 
 Compile time grows with the number of parameter tensors (tens of seconds for GPT-2's 148 on
-Inductor): for CUDA training, ``build_optimizer(impl="triton")`` avoids it with our flat-buffer
-kernels.
+Inductor): for CUDA training, ``build_optimizer(impl="triton")`` (what ``auto`` picks there for Adam(W))
+avoids it with our Triton kernels: no compile, one launch for the whole step.
 """
 
 from __future__ import annotations
@@ -318,21 +318,26 @@ OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
 IMPLS = ("auto", "eager", "foreach", "fused", "compiled", "triton")
 
 
-def resolve_impl(impl: str, device: torch.device | str) -> str:
+def resolve_impl(
+    impl: str, device: torch.device | str, *, name: str = "adamw", sharded: bool = False, scaled: bool = False
+) -> str:
     """The implementation ``impl='auto'`` stands for on ``device`` (other values pass through).
 
-    CUDA: torch's ``fused``, the fastest measured for a whole training step. On an H100
-    (scripts/results, gpt2-small B=16 T=1024 bf16, compiled model) the step ran at 424K tok/s with
-    ``fused`` and 412K with ``triton``: our kernel is faster on its own (1.18 ms vs 1.36 ms, 1.01x the
-    bandwidth floor) but its flat gradient buffers make autograd accumulate into zeroed memory
-    (``+=``) instead of writing fresh gradients, which costs more in the backward than the step
-    saves. Elsewhere: ``foreach``.
+    CUDA, Adam(W): ours, ``triton`` (gradients read where autograd left them, clipping inside the step),
+    the fastest measured for a whole training step: gpt2-small B=16 T=1024 bf16, graphed, H100: 485K
+    tok/s against 480K with torch's ``fused`` (the step alone with clipping: 1.38 ms vs 1.78 ms); 2 H200s,
+    ddp: 490K vs 484K tok/s per GPU (scripts/results/bench_step_table_h100.*, bench_ddp_triton_h200x2.*).
+    Not for ``sharded`` parameters (FSDP's DTensors) or ``scaled`` gradients (fp16's grad scaler, not
+    measured with ours), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused``
+    there. Elsewhere: ``foreach``.
     """
     if impl not in IMPLS:
         raise ValueError(f"optim.impl: expected one of {', '.join(IMPLS)}, got {impl!r}")
     if impl != "auto":
         return impl
-    return "fused" if torch.device(device).type == "cuda" else "foreach"
+    if torch.device(device).type != "cuda":
+        return "foreach"
+    return "triton" if name in ("adamw", "adam") and not sharded and not scaled else "fused"
 
 
 def _normalize_groups(param_groups: Iterable[Any], weight_decay: float) -> list[dict[str, Any]]:
@@ -362,6 +367,8 @@ def build_optimizer(
     momentum: float = 0.9,
     max_grad_norm: float = 0.0,
     device: torch.device | str | None = None,
+    sharded: bool = False,
+    scaled: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the optimizer for a training run.
 
@@ -380,6 +387,8 @@ def build_optimizer(
         max_grad_norm: Global gradient-norm clip. Only ``triton`` applies it inside the step; for
             the others the caller clips (see ``clips_grad_norm``).
         device: Device the parameters will train on; defaults to the first parameter's.
+        sharded: The parameters are FSDP's DTensors (``auto`` then picks torch's optimizer).
+        scaled: An fp16 grad scaler unscales the gradients (``auto`` then picks torch's optimizer).
 
     Returns:
         A ``torch.optim.Optimizer`` with two extra attributes: ``clips_grad_norm`` (true when the
@@ -396,7 +405,7 @@ def build_optimizer(
     if device is None:
         device = groups[0]["params"][0].device if groups[0]["params"] else torch.device("cpu")
     device = torch.device(device)
-    resolved = resolve_impl(impl, device)
+    resolved = resolve_impl(impl, device, name=name, sharded=sharded, scaled=scaled)
     betas = tuple(betas)
 
     if resolved == "triton":
