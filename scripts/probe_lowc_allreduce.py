@@ -10,7 +10,7 @@ reduction and the barriers run on SMs (``torch.ops.symm_mem._low_contention_redu
 This measures, per rank, on separate streams: a loop of bf16 matmuls of gpt2-small's MLP shapes alone, with an
 NCCL all-reduce of ``--mb`` MiB of fp32 beside it, and with the low-contention pair beside it; then each reduction
 alone; and checks the two reductions give the same sum. It decides whether DataParallel should reduce that way.
-Status: written without a GPU (session 7, device budget spent); first run next session.
+Measured in session 8: scripts/results/probe_{475,100}.json, notes_ddp_tail.md.
 """
 
 from __future__ import annotations
