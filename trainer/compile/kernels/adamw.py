@@ -76,6 +76,32 @@ def _adamw_coefs_kernel(Step_ptr, Hparams_ptr, GradNorm_ptr, Coefs_ptr, HAS_CLIP
 
 
 @triton.jit
+def adamw_update(p, g, m, v, Coefs_ptr, DECOUPLED: tl.constexpr, HAS_CLIP: tl.constexpr):
+    """One Adam(W) update of fp32 values with this step's coefficients (``_adamw_coefs_kernel``); new (p, m, v).
+
+    Shared by the flat kernel and the address-table kernel (:mod:`trainer.compile.kernels.grad_table`)."""
+    step_size = tl.load(Coefs_ptr + 0)
+    bias_correction2_sqrt = tl.load(Coefs_ptr + 1)
+    one_minus_beta1 = tl.load(Coefs_ptr + 2)
+    beta2 = tl.load(Coefs_ptr + 3)
+    one_minus_beta2 = tl.load(Coefs_ptr + 4)
+    eps = tl.load(Coefs_ptr + 5)
+    if HAS_CLIP:
+        g = g * tl.load(Coefs_ptr + 8)
+    if DECOUPLED:
+        p = p * tl.load(Coefs_ptr + 6)
+    else:
+        g = g + tl.load(Coefs_ptr + 7) * p
+    # exp_avg.lerp_(grad, 1 - beta1), with torch's two formulas on either side of weight 0.5.
+    m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * (g - m), g - (g - m) * (1.0 - one_minus_beta1))
+    # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    v = v * beta2 + one_minus_beta2 * g * g
+    # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg, denom, value=-step_size)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    return p - step_size * tl.div_rn(m, denom), m, v
+
+
+@triton.jit
 def _adamw_kernel(
     Param_ptr,
     Grad_ptr,
@@ -90,31 +116,13 @@ def _adamw_kernel(
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
-    step_size = tl.load(Coefs_ptr + 0)
-    bias_correction2_sqrt = tl.load(Coefs_ptr + 1)
-    one_minus_beta1 = tl.load(Coefs_ptr + 2)
-    beta2 = tl.load(Coefs_ptr + 3)
-    one_minus_beta2 = tl.load(Coefs_ptr + 4)
-    eps = tl.load(Coefs_ptr + 5)
     # Widen right after loading: bf16 arithmetic is wrong under TRITON_INTERPRET, and fp32 math
     # is what we want on the GPU anyway.
     p = tl.load(Param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(Grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(ExpAvg_ptr + offsets, mask=mask, other=0.0)
     v = tl.load(ExpAvgSq_ptr + offsets, mask=mask, other=0.0)
-    if HAS_CLIP:
-        g = g * tl.load(Coefs_ptr + 8)
-    if DECOUPLED:
-        p = p * tl.load(Coefs_ptr + 6)
-    else:
-        g = g + tl.load(Coefs_ptr + 7) * p
-    # exp_avg.lerp_(grad, 1 - beta1), with torch's two formulas on either side of weight 0.5.
-    m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * (g - m), g - (g - m) * (1.0 - one_minus_beta1))
-    # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    v = v * beta2 + one_minus_beta2 * g * g
-    # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg, denom, value=-step_size)
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
+    p, m, v = adamw_update(p, g, m, v, Coefs_ptr, DECOUPLED, HAS_CLIP)
     tl.store(Param_ptr + offsets, p.to(Param_ptr.dtype.element_ty), mask=mask)
     tl.store(ExpAvg_ptr + offsets, m, mask=mask)
     tl.store(ExpAvgSq_ptr + offsets, v, mask=mask)
