@@ -74,9 +74,7 @@ def run_user(a, spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from trainer.build import param_groups
-    from trainer.data import Batches, load_corpus
-    from trainer.models import build_model
+    from scripts._user_loop import user_model_and_data, user_step
 
     world, rank, local = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     cuda = a.device == "cuda"
@@ -86,11 +84,8 @@ def run_user(a, spec: dict) -> dict:
     dist.init_process_group("nccl" if cuda else "gloo")
     if spec.get("optimize_ddp") is False:
         torch._dynamo.config.optimize_ddp = False
-    torch.manual_seed(0)
-    corpus = load_corpus(None, a.vocab, 0.05, a.seq)
-    batches = Batches(corpus, seq_len=a.seq, micro_batch_size=a.batch, grad_accum=1, rank=rank, world_size=world,
-                      seed=0, device=dev)  # fmt: skip
-    model = build_model(preset=a.preset, vocab_size=a.vocab, seq_len=a.seq, **_shape(a)).to(dev)
+    model, batches = user_model_and_data(a.preset, a.vocab, a.seq, a.batch, dev, rank=rank, world_size=world,
+                                         **_shape(a))  # fmt: skip
     if spec["wrap"] == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -105,18 +100,7 @@ def run_user(a, spec: dict) -> dict:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp, reshard_after_forward=False)
         step_model = model
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=cuda)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda)
-
-    def step(i: int):
-        x, y = batches.train_batch(i, 0)
-        with autocast:
-            loss = step_model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = user_step(model, step_model, batches, dev)
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()

@@ -73,31 +73,19 @@ def run_user(a, compile_model: bool) -> dict:
     """The loop a user writes around torch.compile(model) with fused AdamW."""
     import torch
 
-    from trainer.build import param_groups
-    from trainer.data import Batches, load_corpus
-    from trainer.models import build_model, flops_per_token
+    from scripts._user_loop import user_model_and_data, user_step
+    from trainer.models import flops_per_token
 
-    torch.manual_seed(0)
     dev = torch.device("cuda")
-    corpus = load_corpus(None, 50304, 0.05, a.seq)
-    batches = Batches(corpus, seq_len=a.seq, micro_batch_size=a.batch, grad_accum=1, rank=0, world_size=1, seed=0,
-                      device=dev)  # fmt: skip
-    model = build_model(preset=a.preset, vocab_size=50304, seq_len=a.seq).to(dev)
+    model, batches = user_model_and_data(a.preset, 50304, a.seq, a.batch, dev)
     fpt = flops_per_token(model, a.seq)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=True)
-    step_model = torch.compile(model) if compile_model else model
+    step_fn = user_step(model, torch.compile(model) if compile_model else model, batches, dev)
     times = []
     torch.cuda.reset_peak_memory_stats()
     for step in range(a.warmup + a.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        x, y = batches.train_batch(step, 0)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step_model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step_fn(step)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     timed = sorted(times[a.warmup :])

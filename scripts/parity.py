@@ -3,9 +3,7 @@
     python scripts/parity.py --device cpu --preset tiny --batch 4 --seq 128 --steps 12
     python scripts/parity.py --variants "compile.enabled=false;compile.enabled=true compile.cudagraphs=true"
 
-The user loop is the benchmarks' (``scripts/bench_step.py``): ``build_model`` on the CPU after
-``torch.manual_seed(seed)``, moved to the device, fused AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1
-on matrices), ``clip_grad_norm_(1.0)``, bf16 autocast on CUDA, constant lr. Each trainer variant is a
+The user loop is the benchmarks' (``scripts/_user_loop.py``). Each trainer variant is a
 space-separated list of overrides on top of the same settings; its per-step losses come from its
 metrics.jsonl. Prints both curves and the largest gap over the steps; exits 1 when a gap exceeds
 ``--tol`` (bf16 runs drift by rounding; a systematic gap is a bug, not rounding).
@@ -26,30 +24,12 @@ sys.path.insert(0, str(ROOT))
 def user_losses(a) -> list[float]:
     import torch
 
-    from trainer.build import param_groups
-    from trainer.data import Batches, load_corpus
-    from trainer.models import build_model
+    from scripts._user_loop import user_model_and_data, user_step
 
     dev = torch.device(a.device)
-    torch.manual_seed(a.seed)
-    corpus = load_corpus(None, 50304, 0.05, a.seq)
-    batches = Batches(corpus, seq_len=a.seq, micro_batch_size=a.batch, grad_accum=1, rank=0, world_size=1,
-                      seed=a.seed, device=dev)  # fmt: skip
-    model = build_model(preset=a.preset, vocab_size=50304, seq_len=a.seq).to(dev)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), fused=True)
-    step_model = torch.compile(model) if a.user_compile else model
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-    losses = []
-    for step in range(a.steps):
-        x, y = batches.train_batch(step, 0)
-        with amp:
-            loss = step_model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    model, batches = user_model_and_data(a.preset, 50304, a.seq, a.batch, dev, seed=a.seed)
+    step = user_step(model, torch.compile(model) if a.user_compile else model, batches, dev)
+    return [step(i).item() for i in range(a.steps)]
 
 
 def trainer_losses(a, overrides: list[str]) -> list[float]:

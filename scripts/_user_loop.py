@@ -1,0 +1,51 @@
+"""The training loop a user writes by hand (nanoGPT's): the baseline of the benchmarks and of scripts/parity.py.
+
+One definition, so that every comparison with ours runs the same model, data, optimizer and step: the model
+built on the CPU after ``torch.manual_seed(seed)`` and moved to the device, the embedded corpus, AdamW (lr 6e-4,
+betas 0.9/0.95, weight decay 0.1 on matrices; fused on CUDA), ``clip_grad_norm_(1.0)``, bf16 autocast on CUDA,
+a constant learning rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+LR, BETAS, WEIGHT_DECAY, MAX_NORM = 6e-4, (0.9, 0.95), 0.1, 1.0
+
+
+def user_model_and_data(preset: str, vocab: int, seq: int, batch: int, device: torch.device, *, rank: int = 0,
+                        world_size: int = 1, seed: int = 0, **shape) -> tuple[nn.Module, object]:  # fmt: skip
+    """``(model, batches)``: the built-in GPT on ``device`` and the embedded corpus' batches for this rank."""
+    from trainer.data import Batches, load_corpus
+    from trainer.models import build_model
+
+    torch.manual_seed(seed)
+    corpus = load_corpus(None, vocab, 0.05, seq)
+    batches = Batches(corpus, seq_len=seq, micro_batch_size=batch, grad_accum=1, rank=rank, world_size=world_size,
+                      seed=seed, device=device)  # fmt: skip
+    return build_model(preset=preset, vocab_size=vocab, seq_len=seq, **shape).to(device), batches
+
+
+def user_step(model: nn.Module, step_model: nn.Module, batches, device: torch.device) -> Callable[[int], torch.Tensor]:
+    """``step(i) -> loss``: one optimizer step on batch ``i``. ``model`` owns the parameters (AdamW's groups,
+    the clip); ``step_model`` runs the forward (``model`` itself, ``torch.compile(model)`` or a DDP wrapper)."""
+    from trainer.build import param_groups
+
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=cuda)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batches.train_batch(i, 0)
+        with autocast:
+            loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
