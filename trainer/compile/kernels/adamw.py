@@ -76,10 +76,16 @@ def _adamw_coefs_kernel(Step_ptr, Hparams_ptr, GradNorm_ptr, Coefs_ptr, HAS_CLIP
 
 
 @triton.jit
-def adamw_update(p, g, m, v, Coefs_ptr, DECOUPLED: tl.constexpr, HAS_CLIP: tl.constexpr):
-    """One Adam(W) update of fp32 values with this step's coefficients (``_adamw_coefs_kernel``); new (p, m, v).
-
-    Shared by the flat kernel and the address-table kernel (:mod:`trainer.compile.kernels.grad_table`)."""
+def adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED: tl.constexpr,
+                       HAS_CLIP: tl.constexpr):  # fmt: skip
+    """One Adam(W) update of a block of the flat param and state buffers, in place, with its gradient ``g``
+    (fp32) and this step's coefficients (``_adamw_coefs_kernel``). Shared by the flat kernel and the
+    address-table kernel (:mod:`trainer.compile.kernels.grad_table`)."""
+    # Widen right after loading: bf16 arithmetic is wrong under TRITON_INTERPRET, and fp32 math
+    # is what we want on the GPU anyway.
+    p = tl.load(Param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(ExpAvg_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(ExpAvgSq_ptr + offsets, mask=mask, other=0.0)
     step_size = tl.load(Coefs_ptr + 0)
     bias_correction2_sqrt = tl.load(Coefs_ptr + 1)
     one_minus_beta1 = tl.load(Coefs_ptr + 2)
@@ -98,7 +104,10 @@ def adamw_update(p, g, m, v, Coefs_ptr, DECOUPLED: tl.constexpr, HAS_CLIP: tl.co
     v = v * beta2 + one_minus_beta2 * g * g
     # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg, denom, value=-step_size)
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    return p - step_size * tl.div_rn(m, denom), m, v
+    p = p - step_size * tl.div_rn(m, denom)
+    tl.store(Param_ptr + offsets, p.to(Param_ptr.dtype.element_ty), mask=mask)
+    tl.store(ExpAvg_ptr + offsets, m, mask=mask)
+    tl.store(ExpAvgSq_ptr + offsets, v, mask=mask)
 
 
 @triton.jit
@@ -116,16 +125,8 @@ def _adamw_kernel(
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
-    # Widen right after loading: bf16 arithmetic is wrong under TRITON_INTERPRET, and fp32 math
-    # is what we want on the GPU anyway.
-    p = tl.load(Param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(Grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(ExpAvg_ptr + offsets, mask=mask, other=0.0)
-    v = tl.load(ExpAvgSq_ptr + offsets, mask=mask, other=0.0)
-    p, m, v = adamw_update(p, g, m, v, Coefs_ptr, DECOUPLED, HAS_CLIP)
-    tl.store(Param_ptr + offsets, p.to(Param_ptr.dtype.element_ty), mask=mask)
-    tl.store(ExpAvg_ptr + offsets, m, mask=mask)
-    tl.store(ExpAvgSq_ptr + offsets, v, mask=mask)
+    adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP)
 
 
 def launch_adamw(

@@ -85,8 +85,9 @@ class FlatGroup:
         params: Leaf tensors (usually ``nn.Parameter``) of a single dtype and device. Their data is
             copied into the flat buffer and ``p.data`` re-pointed at a view of it; their current
             ``.grad`` (if any) is copied into the flat gradient buffer and ``p.grad`` re-pointed.
-        flat_grads: False leaves gradients alone (no gradient buffer; ``grad`` and ``grads`` are None):
-            for kernels that read them where autograd put them (:mod:`trainer.compile.kernels.grad_table`).
+        flat_grads: False leaves gradients alone (no gradient buffer; ``grad`` and ``grads`` are None, and
+            ``sync_grads`` / ``zero_grad`` do not apply): for kernels that read them where autograd put them
+            (:mod:`trainer.compile.kernels.grad_table`).
         align: Each parameter's start, in elements (default: 64 bytes and at least 16 elements).
 
     Attributes:
@@ -156,10 +157,8 @@ class FlatGroup:
 
         Autograd accumulates in place into an existing ``.grad``, so this is a no-op on the normal
         path; it matters after ``model.zero_grad()`` (which sets ``.grad`` to ``None``) or after
-        code assigns ``p.grad``. ``None`` becomes zeros. Nothing to do without flat gradients.
+        code assigns ``p.grad``. ``None`` becomes zeros.
         """
-        if self.grads is None:
-            return
         for p, view in zip(self.params, self.grads):
             g = p.grad
             if g is view:
@@ -170,17 +169,8 @@ class FlatGroup:
                 view.copy_(g)
             p.grad = view
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffer in place (one memset) and re-point any replaced ``.grad``; without
-        flat gradients, as ``torch.optim.Optimizer.zero_grad``."""
-        if self.grads is None:
-            for p in self.params:
-                if p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.detach_().zero_()
-            return
+    def zero_grad(self) -> None:
+        """Zero the flat gradient buffer in place (one memset) and re-point any replaced ``.grad``."""
         self.grad.zero_()
         for p, view in zip(self.params, self.grads):
             if p.grad is not view:
@@ -379,7 +369,6 @@ class FlatOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        first = self._flats is None
         self._maybe_build()
         self._load_grads()
         self._sync_hparams()
@@ -391,10 +380,8 @@ class FlatOptimizer(torch.optim.Optimizer):
             grad_norm = None
         for (gi, flat), bufs, step in zip(self._flats, self._bufs, self._steps):
             self._update(self.param_groups[gi], flat, bufs, step, self._hparams_dev[gi], grad_norm)
-        if not capturing():  # a capture runs nothing: each replay counts
+        if not capturing():  # a capture runs nothing: each replay counts its step
             self.after_graph_replay()
-        elif first:
-            self._refresh_state()
         return loss
 
     def before_graph_replay(self) -> None:
@@ -403,17 +390,17 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._sync_hparams()
 
     def after_graph_replay(self) -> None:
-        """Count a step taken by a replay of a captured ``step()`` (the device counters count themselves)."""
-        first = not any(self._host_steps)
-        for i in range(len(self._host_steps)):
-            self._host_steps[i] += 1
-        if first or any(h == 1 for h in self._host_steps):
+        """Count a step on the host (``step()`` does; a replay of a captured one must): the device counters count
+        themselves. After the first, torch's layout has per-parameter state."""
+        self._host_steps = [h + 1 for h in self._host_steps]
+        if any(h == 1 for h in self._host_steps):
             self._refresh_state()
 
     def _load_grads(self) -> None:
         for _, flat in self._flats:
-            flat.sync_grads()
-            if not self.flat_grads:
+            if self.flat_grads:
+                flat.sync_grads()
+            else:
                 flat.table.load_grads()
 
     def _global_norm(self) -> torch.Tensor:
@@ -441,13 +428,14 @@ class FlatOptimizer(torch.optim.Optimizer):
         return self._pending_norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in place (see the module docstring for why ``set_to_none`` is ignored)."""
+        """Zero the flat gradient buffers in place (see the module docstring for why ``set_to_none`` is ignored);
+        without flat gradients (or before the first step), ``torch.optim.Optimizer.zero_grad``."""
         self._pending_norm = None
-        if self._flats is None:
+        if self._flats is None or not self.flat_grads:
             super().zero_grad(set_to_none=set_to_none)
             return
         for _, flat in self._flats:
-            flat.zero_grad(set_to_none)
+            flat.zero_grad()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ The addresses are copied to the device from a pinned host buffer that is never r
 distinct set of addresses, a few at most), so the copy can be captured in a CUDA graph: a replay re-reads
 the addresses the graph's own gradients have.
 
-The update is the flat kernel's (``adamw.adamw_update``), element for element; the norm is
+The update is the flat kernel's (``adamw.adamw_update_block``), element for element; the norm is
 accumulated in fp32 per block, then summed in one program (deterministic, no atomics).
 """
 
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.compile.kernels.adamw import N_COEFS, NUM_WARPS, _adamw_coefs_kernel, adamw_update
+from trainer.compile.kernels.adamw import N_COEFS, NUM_WARPS, _adamw_coefs_kernel, adamw_update_block
 from trainer.compile.kernels.flat import capturing
 from trainer.compile.kernels.grad_norm import FINISH_BLOCK_SIZE, _sumsq_finish_kernel
 
@@ -89,13 +89,7 @@ def _adamw_blocks_kernel(
     g, mask = _grad_block(GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED,
                           BLOCK_SIZE)  # fmt: skip
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    p = tl.load(Param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(ExpAvg_ptr + offsets, mask=mask, other=0.0)
-    v = tl.load(ExpAvgSq_ptr + offsets, mask=mask, other=0.0)
-    p, m, v = adamw_update(p, g, m, v, Coefs_ptr, DECOUPLED, HAS_CLIP)
-    tl.store(Param_ptr + offsets, p.to(Param_ptr.dtype.element_ty), mask=mask)
-    tl.store(ExpAvg_ptr + offsets, m, mask=mask)
-    tl.store(ExpAvgSq_ptr + offsets, v, mask=mask)
+    adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP)
 
 
 class GradTable:
