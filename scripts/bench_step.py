@@ -7,7 +7,7 @@
     python scripts/bench_step.py --variants ours-model,ours-model@env:TORCHINDUCTOR_MIX_ORDER_REDUCTION=0
 
 Each variant runs in its own process (so compile caches, Dynamo state and the CUDA allocator
-start clean) and reports tokens/s (median over timed steps), MFU against the 989 TFLOP/s
+start clean) and reports tokens/s (over the timed steps; see Timing), MFU against the 989 TFLOP/s
 spec and against the bf16 matmul peak measured in this run, peak memory and first-step time
 (compile included). Cold vs warm compile cache: "ours" variants run once with an empty
 cache directory and once more with the one the first run filled. ``BENCH_TRACE=dir`` also writes each
@@ -16,6 +16,11 @@ variant's GPU timeline there (timings then include the profiler); ``scripts/trac
 Baselines are written as a user writes them: ``torch.compile(model)`` (or not), fused AdamW,
 ``clip_grad_norm_``, bf16 autocast, batches from the same data loader. "Ours" is ``trainer fit``
 (the Trainer) with the named compile settings.
+
+Timing: the baselines' timed steps run back to back with one wait at the end (the GPU's step time, no
+host sync between steps); ``torch.compile-synced`` times each step to a ``torch.cuda.synchronize()`` as
+nanoGPT's loop does, which leaves the GPU idle while the next step launches. Ours reports the Trainer's
+median step interval, its loss read one step late (also the GPU's step time).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ _ON = ["compile.enabled=true"]
 VARIANTS = {
     "eager": {"kind": "user", "compile": False},
     "torch.compile": {"kind": "user", "compile": True},
+    "torch.compile-synced": {"kind": "user", "compile": True, "synced": True},
     "ours-model": {"kind": "ours", "overrides": [*_ON, "compile.scope=model"]},
     "ours-model-fused": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "optim.impl=fused"]},
     "ours-model-graphed": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "compile.cudagraphs=true"]},
@@ -69,8 +75,9 @@ def _common_overrides(a) -> list[str]:
     ]
 
 
-def run_user(a, compile_model: bool) -> dict:
-    """The loop a user writes around torch.compile(model) with fused AdamW."""
+def run_user(a, compile_model: bool, synced: bool = False) -> dict:
+    """The loop a user writes around torch.compile(model) with fused AdamW; ``synced``: timed as nanoGPT does,
+    waiting for each step (else the timed steps run back to back and the window is timed once)."""
     import torch
 
     from scripts._user_loop import user_model_and_data, user_step
@@ -80,20 +87,32 @@ def run_user(a, compile_model: bool) -> dict:
     model, batches = user_model_and_data(a.preset, 50304, a.seq, a.batch, dev)
     fpt = flops_per_token(model, a.seq)
     step_fn = user_step(model, torch.compile(model) if compile_model else model, batches, dev)
-    times = []
     torch.cuda.reset_peak_memory_stats()
-    for step in range(a.warmup + a.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    loss = step_fn(0)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for step in range(1, a.warmup):
         loss = step_fn(step)
+    torch.cuda.synchronize()
+    if synced:  # nanoGPT's timing: the host waits for every step, so the GPU idles while the next one launches
+        times = []
+        for step in range(a.warmup, a.warmup + a.steps):
+            t0 = time.perf_counter()
+            loss = step_fn(step)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        per_step = sorted(times)[len(times) // 2]
+    else:  # the steps queued back to back, one wait at the end: the GPU's own step time
+        t0 = time.perf_counter()
+        for step in range(a.warmup, a.warmup + a.steps):
+            loss = step_fn(step)
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    timed = sorted(times[a.warmup :])
-    median = timed[len(timed) // 2]
+        per_step = (time.perf_counter() - t0) / a.steps
     return {
-        "tokens_per_s": a.batch * a.seq / median,
-        "step_ms": median * 1e3,
-        "first_step_s": times[0],
+        "tokens_per_s": a.batch * a.seq / per_step,
+        "step_ms": per_step * 1e3,
+        "first_step_s": first,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
         "flops_per_token": fpt,
         "final_loss": loss.item(),
@@ -156,7 +175,9 @@ def _worker(a) -> None:
     spec = _spec(a.worker)
 
     def run() -> dict:
-        return run_user(a, spec["compile"]) if spec["kind"] == "user" else run_ours(a, spec["overrides"], a.cache_dir)
+        if spec["kind"] == "user":
+            return run_user(a, spec["compile"], spec.get("synced", False))
+        return run_ours(a, spec["overrides"], a.cache_dir)
 
     trace_dir = os.environ.get("BENCH_TRACE")  # the GPU timeline (kernels only), for scripts/trace_gaps.py
     if trace_dir:

@@ -63,7 +63,7 @@ def _intersect(x, y) -> float:
     return total
 
 
-def analyse(path: str, steps: int, step_kernel: str) -> str:
+def analyse(path: str, steps: int, step_kernel: str, top_n: int = 20) -> str:
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
@@ -82,7 +82,7 @@ def analyse(path: str, steps: int, step_kernel: str) -> str:
     by_name: dict[str, float] = defaultdict(float)
     for e in window:
         by_name[e["name"][:90]] += e["dur"]
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:top_n]
     per = 1e3 * steps  # us -> ms per step
     lines = [
         f"{path}: last {steps} steps",
@@ -130,9 +130,10 @@ def main() -> None:
     p.add_argument("traces", nargs="+")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--step-kernel", default="adam")
+    p.add_argument("--top", type=int, default=20, help="how many of the largest kernels (by name) to list")
     a = p.parse_args()
     for t in a.traces:
-        print(analyse(t, a.steps, a.step_kernel))
+        print(analyse(t, a.steps, a.step_kernel, a.top))
 
 
 if __name__ == "__main__":
