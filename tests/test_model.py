@@ -159,3 +159,36 @@ def test_loss_kernel_config_rules_and_the_trainer_wires_the_choices(tmp_path):
 
     asked = load_config(None, ["compile.autograd=true", "model.cross_entropy=triton"])
     assert not fused_loss(asked, cuda) and cross_entropy(asked, cuda) == "triton"  # not silently replaced
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_fused_add_layer_norm_gpt_matches_nn_layer_norm(monkeypatch, compiled):
+    """model.layer_norm=triton (each residual add done by the Triton norm that reads it) gives the GPT the loss,
+    logits and gradients of nn.LayerNorm (fp32 on CPU, the interpreter), eager and compiled in one graph; the
+    state dict is the same."""
+    import trainer.compile.kernels.add_layer_norm as aln
+    from trainer.build import layer_norm
+    from trainer.config import load_config
+
+    idx = torch.randint(0, 64, (2, 16))
+    out, calls, states = {}, [], {}
+    fwd = aln._fwd_op
+    monkeypatch.setattr(aln, "_fwd_op", lambda *a: calls.append(1) or fwd(*a))
+    for name in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=16, layer_norm=name)
+        states[name] = model.state_dict()
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        calls.clear()
+        loss = run(idx, idx.roll(1, dims=1))
+        loss.backward()
+        # ln_1 (plain) + 3 fused adds (ln_2, ln_1, ln_2) + ln_f; compiled: traced once through the same calls
+        assert len(calls) == (5 if name == "triton" else 0)
+        grads = [p.grad for p in model.parameters()]
+        out[name] = (loss.detach(), run(idx)[:, -1].detach(), *grads)
+    assert states["torch"].keys() == states["triton"].keys()
+    for a, b in zip(out["torch"], out["triton"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    auto = load_config(None, ["model.layer_norm=auto"])
+    assert layer_norm(auto, torch.device("cpu")) == "torch"
+    assert layer_norm(auto, torch.device("cuda")) == "triton"

@@ -89,6 +89,14 @@ def cross_entropy(cfg: Config, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and usable else "torch"
 
 
+def layer_norm(cfg: Config, device: torch.device) -> str:
+    """``model.layer_norm`` with auto resolved: the fused residual add + LayerNorm Triton kernels for the built-in
+    GPT on CUDA, nn.LayerNorm elsewhere (on CPU Triton runs only in its interpreter)."""
+    if cfg.model.layer_norm != "auto":
+        return cfg.model.layer_norm
+    return "triton" if device.type == "cuda" and cfg.model.target is None else "torch"
+
+
 def check_attention(cfg: Config, device: torch.device, dtype) -> None:
     """Fail at startup, with the key, when ``model.attention`` names a kernel this device cannot run.
 

@@ -71,6 +71,10 @@ class ModelConfig:
     (compiled by Inductor); triton: our kernel writes the logits' gradient over them in the forward (one pass
     instead of Inductor's two; same memory; +1.9% tok/s on gpt2-small, H100); auto: triton on CUDA unless fp16 or
     model.fused_loss is on, else torch."""
+    layer_norm: str = _f("auto", choices=["auto", "torch", "triton"])
+    """Built-in GPT: torch: nn.LayerNorm and the residual adds, compiled by Inductor; triton: each residual add
+    and the LayerNorm that reads it in one Triton kernel forward and one backward
+    (trainer/compile/kernels/add_layer_norm.py); auto: triton on CUDA, else torch."""
     attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
     with torch 2.11; see scripts/bench_attention.py). Checked on the device at startup."""
@@ -316,7 +320,7 @@ class Config:
             )
         m = self.model
         builtin_only = {"fused_loss": m.fused_loss, "cross_entropy": m.cross_entropy == "triton",
-                        "attention": m.attention != "auto"}  # fmt: skip
+                        "attention": m.attention != "auto", "layer_norm": m.layer_norm == "triton"}  # fmt: skip
         for key, chosen in builtin_only.items():
             if chosen and m.target is not None:
                 raise ConfigError(f"model.{key}: applies to the built-in GPT only; drop it with model.target")

@@ -84,12 +84,13 @@ class Trainer:
         m = cfg.model
         fused_loss = build.fused_loss(cfg, device)
         cross_entropy = build.cross_entropy(cfg, device)
+        layer_norm = build.layer_norm(cfg, device)
         amp_dtype = build.amp_dtype(cfg.train.precision, device)
         build.check_attention(cfg, device, amp_dtype)
         raw_model = build_model(
             preset=m.preset, vocab_size=corpus.vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer,
             n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, fused_loss=fused_loss,
-            attention=m.attention, cross_entropy=cross_entropy, target=m.target,
+            attention=m.attention, cross_entropy=cross_entropy, layer_norm=layer_norm, target=m.target,
             kwargs=dict(m.kwargs),
         ).to(device)  # fmt: skip
         scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
@@ -125,7 +126,8 @@ class Trainer:
             f"{f' x{env.world_size}' if env.distributed else ''}, {build.precision_name(amp_dtype)}, "
             f"compile {'on (' + cfg.compile.backend + ')' if cfg.compile.enabled else 'off'}"
             f"{', compiled autograd' if cfg.compile.autograd else ''}{', fused loss' if fused_loss else ''}"
-            f"{', triton cross-entropy' if cross_entropy == 'triton' else ''}; "
+            f"{', triton cross-entropy' if cross_entropy == 'triton' else ''}"
+            f"{', triton add+layernorm' if layer_norm == 'triton' else ''}; "
             f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {run_dir}"
         )
 

@@ -30,6 +30,7 @@ def build_model(
     fused_loss: bool = False,
     attention: str = "auto",
     cross_entropy: str = "torch",
+    layer_norm: str = "torch",
     target: str | None = None,
     kwargs: dict | None = None,
 ) -> nn.Module:
@@ -49,6 +50,7 @@ def build_model(
         fused_loss=fused_loss,
         attention=attention,
         cross_entropy=cross_entropy,
+        layer_norm=layer_norm,
         **shape,
     )
     return GPT(cfg)

@@ -25,6 +25,7 @@ class GPTConfig:
     fused_loss: bool = False
     cross_entropy: str = "torch"  # torch (F.cross_entropy) | triton (ours, logit gradients in the forward)
     attention: str = "auto"  # SDPA backend: auto (torch picks) | flash | cudnn | efficient | math
+    layer_norm: str = "torch"  # torch (nn.LayerNorm, the residual adds by autograd) | triton (add + norm fused)
 
 
 def sdpa_backend(name: str):
@@ -77,6 +78,16 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+def _norm(ln: nn.LayerNorm, x: torch.Tensor, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + pending, ln(x + pending))`` in one Triton kernel (``model.layer_norm: triton``); no pending
+    increment: ``(x, ln(x))``."""
+    from trainer.compile.kernels.add_layer_norm import add_layer_norm, layer_norm
+
+    if pending is None:
+        return x, layer_norm(x, ln.weight, ln.bias, ln.eps)
+    return add_layer_norm(x, pending, ln.weight, ln.bias, ln.eps)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -84,10 +95,18 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.fused_norm = cfg.layer_norm == "triton"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None):
+        """``x + attn(ln_1(x))``, then ``+ mlp(ln_2(.))``. With ``model.layer_norm: triton`` each residual add is
+        done by the norm that reads its sum: the block takes and returns ``(x, pending)``, the residual stream
+        and the increment still to add to it (the next block's ln_1 or the head's ln_f adds it)."""
+        if not self.fused_norm:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+        x, h = _norm(self.ln_1, x, pending)
+        x, h = _norm(self.ln_2, x, self.attn(h))
+        return x, self.mlp(h)
 
 
 class GPT(nn.Module):
@@ -126,19 +145,29 @@ class GPT(nn.Module):
         assert T <= self.cfg.block_size, f"sequence length {T} > block_size {self.cfg.block_size}"
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        pending = None  # with model.layer_norm: triton, the last branch output not yet added to x
         for block in self.transformer.h:
-            x = block(x)
+            if block.fused_norm:
+                x, pending = block(x, pending)
+            else:
+                x = block(x)
         if targets is None:
-            return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
-        return self.head_loss(x, targets)
+            return self.lm_head(self.final_norm(x, pending))  # (B, T, V)
+        return self.head_loss(x, targets, pending)
 
-    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def final_norm(self, x: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """``ln_f(x + pending)``."""
+        if self.cfg.layer_norm == "triton":
+            return _norm(self.transformer.ln_f, x, pending)[1]
+        return self.transformer.ln_f(x if pending is None else x + pending)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm, tied head and mean cross-entropy: (B, T, C), (B, T) -> scalar.
 
         Its own method so that ``compile.scope: blocks`` can compile it as one more graph
         (``compile.loss``): the (B*T, V) logits are the largest tensors of the step.
         """
-        x = self.transformer.ln_f(x)
+        x = self.final_norm(x, pending)
         B, T, C = x.shape
         if self.cfg.fused_loss or self.cfg.cross_entropy == "triton":
             from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy

@@ -1,0 +1,160 @@
+"""trainer::add_layer_norm (residual add + LayerNorm) against float64 torch.
+
+On CPU the Triton kernels run under ``TRITON_INTERPRET=1`` (tests/conftest.py sets it); on a GPU machine the
+same tests run the compiled kernels on CUDA.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from trainer.compile.kernels import add_layer_norm as aln
+from trainer.compile.kernels.add_layer_norm import add_layer_norm, layer_norm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _no_silent_fallback(monkeypatch):
+    """Where Triton can run, the PyTorch fallback must not: a test of the kernels tests the kernels."""
+    if aln._use_triton(torch.device(DEVICE)):
+
+        def fail(*args, **kwargs):
+            raise AssertionError("the PyTorch fallback ran where the Triton kernel should have")
+
+        monkeypatch.setattr(aln, "_forward_torch", fail)
+        monkeypatch.setattr(aln, "_backward_torch", fail)
+
+
+def test_triton_runs_on_the_test_device():
+    assert aln._use_triton(torch.device(DEVICE)), "TRITON_INTERPRET=1 must be set before triton is imported"
+
+
+def _inputs(shape, x_dtype, inc_dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    c = shape[-1]
+    x = (torch.randn(shape, generator=g) * 3 + 1).to(DEVICE, x_dtype).requires_grad_()
+    inc = torch.randn(shape, generator=g).to(DEVICE, inc_dtype).requires_grad_() if inc_dtype else None
+    w = (1 + 0.1 * torch.randn(c, generator=g)).to(DEVICE).requires_grad_()
+    b = (0.1 * torch.randn(c, generator=g)).to(DEVICE).requires_grad_() if bias else None
+    # Upstream gradients for both outputs: y's (as the next matmul would send) and s's (the residual stream's).
+    gy = torch.randn(shape, generator=g).to(DEVICE)
+    gs = torch.randn(shape, generator=g).to(DEVICE)
+    return x, inc, w, b, gy, gs
+
+
+def _leaves(*ts):
+    return [t for t in ts if t is not None]
+
+
+def _reference(x, inc, w, b, gy, gs, eps=1e-5):
+    """float64: s = x + inc, y = layer_norm(s); the loss <y, gy> + <s, gs>, its gradients."""
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ir = inc.detach().double().requires_grad_() if inc is not None else None
+    br = b.detach().double().requires_grad_() if b is not None else None
+    s = xr + ir if ir is not None else xr
+    y = F.layer_norm(s, s.shape[-1:], wr, br, eps)
+    loss = (y * gy.double()).sum() + ((s * gs.double()).sum() if ir is not None else 0)
+    loss.backward()
+    return s.detach(), y.detach(), [t.grad for t in _leaves(xr, ir, wr, br)]
+
+
+def _err(a, ref):
+    return ((a.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+
+# (rows, cols): one row, a ragged row block, a gpt2 width over several backward programs, a width that is
+# not a power of two.
+_SHAPES = [(1, 16), (7, 64), (2, 37, 768), (40, 1000)]
+
+
+@pytest.mark.parametrize("shape", _SHAPES, ids=str)
+@pytest.mark.parametrize(
+    "x_dtype,inc_dtype,autocast,tol",
+    [
+        # fp32 throughout: fp32 rounding of 1000-term sums. Observed <= 2.6e-7 on the interpreter.
+        (torch.float32, torch.float32, False, 1e-6),
+        # The autocast case: fp32 stream, bf16 branch; y, its incoming gradient and the inc gradient are bf16
+        # (2^-9 relative rounding each; the interpreter truncates instead of rounding). Observed <= 6.4e-3.
+        (torch.float32, torch.bfloat16, True, 1.6e-2),
+    ],
+    ids=["fp32", "fp32+bf16-autocast"],
+)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_add_layer_norm_matches_float64(shape, x_dtype, inc_dtype, autocast, tol, bias):
+    x, inc, w, b, gy, gs = _inputs(shape, x_dtype, inc_dtype, bias, seed=shape[-1])
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        s, y = add_layer_norm(x, inc, w, b)
+    assert s.dtype == x_dtype and y.dtype == (torch.bfloat16 if autocast else x_dtype) and y.shape == x.shape
+    ((y.float() * gy).sum() + (s.float() * gs).sum()).backward()
+    s_ref, y_ref, grads_ref = _reference(x, inc, w, b, gy, gs)
+    assert _err(s, s_ref) <= 1e-6  # x + inc, rounded once to fp32
+    assert _err(y, y_ref) <= tol
+    for got, want in zip([t.grad for t in _leaves(x, inc, w, b)], grads_ref):
+        assert _err(got, want) <= tol
+    assert x.grad.dtype == x_dtype and inc.grad.dtype == inc_dtype and w.grad.dtype == w.dtype
+
+
+@pytest.mark.parametrize("shape", [(7, 64), (2, 37, 768)], ids=str)
+def test_layer_norm_without_inc_matches_float64(shape):
+    x, _, w, b, gy, _ = _inputs(shape, torch.float32, None)
+    y = layer_norm(x, w, b)
+    (y * gy).sum().backward()
+    _, y_ref, grads_ref = _reference(x, None, w, b, gy, None)
+    assert _err(y, y_ref) <= 1e-5
+    for got, want in zip([x.grad, w.grad, b.grad], grads_ref):
+        assert _err(got, want) <= 1e-5
+
+
+def test_s_unused_downstream_gets_no_gradient_from_it():
+    # The last norm of a model (ln_f): only y is used; the residual gradient is then LN'(dy) alone.
+    x, inc, w, b, gy, _ = _inputs((5, 64), torch.float32, torch.float32)
+    _, y = add_layer_norm(x, inc, w, b)
+    (y * gy).sum().backward()
+    xr, ir = x.detach().double().requires_grad_(), inc.detach().double().requires_grad_()
+    (F.layer_norm(xr + ir, (64,), w.detach().double(), b.detach().double()) * gy.double()).sum().backward()
+    assert _err(x.grad, xr.grad) <= 1e-5 and _err(inc.grad, ir.grad) <= 1e-5
+
+
+def test_torch_fallback_matches_the_kernels(monkeypatch):
+    # The PyTorch path (CPU without the interpreter) computes what the kernels compute.
+    x, inc, w, b, gy, gs = _inputs((9, 100), torch.float32, torch.float32)
+    s, y = add_layer_norm(x, inc, w, b)
+    ((y * gy).sum() + (s * gs).sum()).backward()
+    kernel = [t.detach().clone() for t in (s, y, x.grad, inc.grad, w.grad, b.grad)]
+    for t in (x, inc, w, b):
+        t.grad = None
+    monkeypatch.undo()  # the autouse fixture's replacements: the fallback must run now
+    monkeypatch.setattr(aln, "_use_triton", lambda device: False)
+    s, y = add_layer_norm(x, inc, w, b)
+    ((y * gy).sum() + (s * gs).sum()).backward()
+    for got, want in zip((s, y, x.grad, inc.grad, w.grad, b.grad), kernel):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compiles_fullgraph_without_breaks():
+    x, inc, w, b, gy, gs = _inputs((2, 5, 64), torch.float32, torch.float32)
+
+    def f(x, inc):
+        s, y = add_layer_norm(x, inc, w, b)
+        return (y * gy).sum() + (s * gs).sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    compiled(x, inc).backward()
+    got = [t.grad.clone() for t in (x, inc, w, b)]
+    for t in (x, inc, w, b):
+        t.grad = None
+    f(x, inc).backward()
+    assert counter.frame_count == 1
+    for g, t in zip(got, (x, inc, w, b)):
+        torch.testing.assert_close(g, t.grad, rtol=1e-6, atol=0)
+
+
+def test_bad_shapes_are_rejected():
+    x, inc, w, b, *_ = _inputs((3, 16), torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="one shape"):
+        add_layer_norm(x, inc[:, :8], w, b)
+    with pytest.raises(ValueError, match="weight and bias of shape"):
+        layer_norm(x, w[:8], b[:8])

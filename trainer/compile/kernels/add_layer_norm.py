@@ -1,0 +1,351 @@
+"""Residual add + LayerNorm in one Triton kernel each way (``model.layer_norm: triton``).
+
+A pre-LN transformer computes, twice per block, ``s = x + f(h)`` (the residual stream, fp32 under
+autocast, plus a bf16 branch output) and ``h = LayerNorm(s)`` (cast to bf16 by the next matmul).
+Inductor fuses that forward into one kernel, but its partitioner saves the normalised
+``(s - mean) * rstd`` (fp32) for the backward and never writes ``s``: every LayerNorm kernel
+re-adds the chain of bf16 branch outputs since the last saved sum, so on gpt2-small (H100, B=16,
+T=1024) the 24 forward kernels take 48, 60, 65 and 93 us in turn (1.61 ms a step, against 1.15 ms
+at 48 us each). Its backward is two passes: a reduction kernel for the per-row sums (27 us) and a
+second kernel reading everything again (62 us), 2.26 ms a step with the weight-gradient sums.
+
+This op writes ``s`` once and saves it (plus the per-row mean and 1/std) in place of the
+normalised tensor, the same bytes:
+
+- forward, one pass per row: read ``x`` and ``inc``, write ``s`` (x's dtype), ``y = LN(s)`` in the
+  output dtype (the autocast dtype under autocast: the cast the next matmul would do) and the
+  row statistics;
+- backward, one pass: read ``dy``, ``s`` and the gradient already flowing into ``s`` from later
+  layers, write ``ds + LN'(dy)`` in x's dtype and again in inc's (what the residual and the branch
+  each receive), and per program column partial sums for the weight and bias gradients, which a
+  small ``sum(0)`` finishes.
+
+``layer_norm`` is the same op without ``inc`` (the first block's norm). Both are ``torch.library``
+custom ops with fake implementations, so they compose with ``torch.compile(fullgraph=True)``.
+Numerics: the sum ``x + inc`` is rounded to x's dtype before the norm (as ``nn.LayerNorm`` reads it);
+mean and variance are two-pass fp32 sums over the row, as torch's; outputs round to nearest.
+
+Triton runs on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set before
+``triton`` was first imported; otherwise CPU tensors take the same math in PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+__all__ = ["add_layer_norm", "layer_norm"]
+
+_MAX_COLS = 16384  # one row per program tile; wider rows would spill registers
+
+
+@triton.jit
+def _add_ln_fwd_kernel(
+    X,
+    INC,
+    W,
+    B,
+    S,
+    Y,
+    MEAN,
+    RSTD,
+    n_rows,
+    n_cols,
+    eps,
+    HAS_INC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Rows ``[pid * BLOCK_ROWS, +BLOCK_ROWS)``: s = x + inc (stored in S's dtype when HAS_INC),
+    y = (s - mean) * rstd * w + b, mean and rstd per row."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    s = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_INC:
+        s += tl.load(INC + offs, mask=mask, other=0.0).to(tl.float32)
+        s_store = s.to(S.dtype.element_ty)
+        tl.store(S + offs, s_store, mask=mask)
+        s = s_store.to(tl.float32)  # the norm reads the rounded sum, as nn.LayerNorm reads s
+    mean = tl.sum(s, axis=1) / n_cols
+    centered = tl.where(mask, s - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / n_cols
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = centered * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=row_ok)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _add_ln_bwd_kernel(
+    DY,
+    DS,
+    S,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DINC,
+    DW_PART,
+    DB_PART,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    HAS_DS: tl.constexpr,
+    HAS_DINC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Program ``pid`` takes rows ``[pid * rows_per_program, +rows_per_program)``, BLOCK_ROWS at a time:
+    dx = ds + rstd * (w*dy - mean(w*dy) - xhat * mean(w*dy*xhat)) into DX (and DINC), and its column
+    sums of dy * xhat and dy into row ``pid`` of DW_PART and DB_PART."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_COLS], tl.float32)
+    db = tl.zeros([BLOCK_COLS], tl.float32)
+    start = pid * rows_per_program
+    end = tl.minimum(start + rows_per_program, n_rows)
+    for first in range(start, end, BLOCK_ROWS):
+        rows = first + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < end
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        s = tl.load(S + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+        wdy = w[None, :] * dy
+        c1 = tl.sum(xhat * wdy, axis=1) / n_cols
+        c2 = tl.sum(wdy, axis=1) / n_cols
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(DS + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DINC:
+            tl.store(DINC + offs, dx.to(DINC.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(DW_PART + pid * n_cols + cols, dw, mask=col_ok)
+    tl.store(DB_PART + pid * n_cols + cols, db, mask=col_ok)
+
+
+_INTERPRETED = isinstance(_add_ln_fwd_kernel, InterpretedFunction) and isinstance(tl.sum, InterpretedFunction)
+
+
+def _use_triton(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on tensors of ``device`` in this process."""
+    return device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)
+
+
+# Elements per tile (rows x padded columns) of each kernel on the GPU, and elements per warp; the interpreter
+# takes 64K-element tiles (it pays per program, not per element). scripts/bench_layer_norm.py sweeps these.
+TILE = {"fwd": 4096, "bwd": 4096}
+ELEMENTS_PER_WARP = {"fwd": 1024, "bwd": 1024}
+PROGRAMS_PER_SM = 4  # backward programs, each summing its rows' weight gradients
+
+
+def _block_rows(n_cols: int, kernel: str) -> int:
+    tile = 65536 if _INTERPRETED else TILE[kernel]
+    return max(1, tile // triton.next_power_of_2(n_cols))
+
+
+def _num_warps(block_rows: int, block_cols: int, kernel: str) -> int:
+    return min(16, max(1, block_rows * block_cols // ELEMENTS_PER_WARP[kernel]))
+
+
+# ---- forward ------------------------------------------------------------------------------------
+
+
+def _forward_torch(x, inc, weight, bias, eps, out_dtype):
+    s = x + inc.to(x.dtype) if inc is not None else x
+    sf = s.float()
+    var, mean = torch.var_mean(sf, dim=-1, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    y = (sf - mean[:, None]) * rstd[:, None] * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return (s if inc is not None else x.new_empty(0)), y.to(out_dtype), mean, rstd
+
+
+@torch.library.custom_op("trainer::add_layer_norm", mutates_args=())
+def _fwd_op(
+    x: Tensor, inc: Tensor | None, weight: Tensor, bias: Tensor | None, eps: float, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(s, y, mean, rstd)`` over the rows of 2-D ``x``: ``s = x + inc`` (empty without ``inc``),
+    ``y = LayerNorm(s)`` in ``out_dtype``, fp32 row statistics."""
+    n_rows, n_cols = x.shape
+    if not _use_triton(x.device):
+        return _forward_torch(x, inc, weight, bias, eps, out_dtype)
+    s = torch.empty_like(x) if inc is not None else x.new_empty(0)
+    y = x.new_empty((n_rows, n_cols), dtype=out_dtype)
+    mean = x.new_empty(n_rows, dtype=torch.float32)
+    rstd = x.new_empty(n_rows, dtype=torch.float32)
+    if n_rows:
+        block_cols = triton.next_power_of_2(n_cols)
+        block_rows = _block_rows(n_cols, "fwd")
+        _add_ln_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x, inc if inc is not None else x, weight, bias if bias is not None else weight, s, y, mean, rstd,
+            n_rows, n_cols, eps, HAS_INC=inc is not None, HAS_BIAS=bias is not None,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=_num_warps(block_rows, block_cols, "fwd"),
+        )  # fmt: skip
+    return s, y, mean, rstd
+
+
+@_fwd_op.register_fake
+def _(x, inc, weight, bias, eps, out_dtype):
+    n_rows = x.shape[0]
+    s = torch.empty_like(x) if inc is not None else x.new_empty(0)
+    return (
+        s,
+        x.new_empty(x.shape, dtype=out_dtype),
+        x.new_empty(n_rows, dtype=torch.float32),
+        x.new_empty(n_rows, dtype=torch.float32),
+    )
+
+
+# ---- backward -----------------------------------------------------------------------------------
+
+
+def _backward_torch(dy, ds, s, weight, mean, rstd, has_bias, inc_dtype):
+    sf = s.float()
+    xhat = (sf - mean[:, None]) * rstd[:, None]
+    dyf = dy.float()
+    wdy = dyf * weight.float()
+    c1 = (xhat * wdy).mean(dim=1, keepdim=True)
+    c2 = wdy.mean(dim=1, keepdim=True)
+    dx = (wdy - (xhat * c1 + c2)) * rstd[:, None]
+    if ds is not None:
+        dx = dx + ds.float()
+    dinc = dx.to(inc_dtype, copy=True) if inc_dtype is not None else s.new_empty(0)  # outputs may not alias
+    dw = (dyf * xhat).sum(0).to(weight.dtype)
+    db = dyf.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0)
+    return dx.to(s.dtype), dinc, dw, db
+
+
+@torch.library.custom_op("trainer::add_layer_norm_backward", mutates_args=())
+def _bwd_op(
+    dy: Tensor,
+    ds: Tensor | None,
+    s: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    has_bias: bool,
+    inc_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dinc, dweight, dbias)``: ``dx = ds + d(y . dy)/ds`` in s's dtype, the same in ``inc_dtype``
+    (empty when None), and the weight and bias gradients (bias empty when ``has_bias`` is False)."""
+    if not _use_triton(s.device):
+        return _backward_torch(dy, ds, s, weight, mean, rstd, has_bias, inc_dtype)
+    n_rows, n_cols = s.shape
+    dx = torch.empty_like(s)
+    dinc = s.new_empty(s.shape, dtype=inc_dtype) if inc_dtype is not None else s.new_empty(0)
+    block_cols = triton.next_power_of_2(n_cols)
+    block_rows = _block_rows(n_cols, "bwd")
+    # A few programs per SM, each summing its rows' weight gradients in registers.
+    # (Three in the interpreter, so that CPU tests cover the partial sums of several programs.)
+    programs = 3 if _INTERPRETED else PROGRAMS_PER_SM * torch.cuda.get_device_properties(s.device).multi_processor_count
+    programs = max(1, min(programs, triton.cdiv(n_rows, block_rows)))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_rows) * block_rows
+    programs = max(1, triton.cdiv(n_rows, rows_per_program))
+    dw_part = s.new_empty((programs, n_cols), dtype=torch.float32)
+    db_part = s.new_empty((programs, n_cols), dtype=torch.float32)
+    if n_rows:
+        _add_ln_bwd_kernel[(programs,)](
+            dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dinc, dw_part, db_part,
+            n_rows, n_cols, rows_per_program, HAS_DS=ds is not None, HAS_DINC=inc_dtype is not None,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=_num_warps(block_rows, block_cols, "bwd"),
+        )  # fmt: skip
+    else:
+        dw_part.zero_()
+        db_part.zero_()
+    dw = dw_part.sum(0).to(weight.dtype)
+    db = db_part.sum(0).to(weight.dtype) if has_bias else weight.new_empty(0)
+    return dx, dinc, dw, db
+
+
+@_bwd_op.register_fake
+def _(dy, ds, s, weight, mean, rstd, has_bias, inc_dtype):
+    dinc = s.new_empty(s.shape, dtype=inc_dtype) if inc_dtype is not None else s.new_empty(0)
+    db = weight.new_empty(weight.shape) if has_bias else weight.new_empty(0)
+    return torch.empty_like(s), dinc, weight.new_empty(weight.shape), db
+
+
+def _setup_context(ctx, inputs, output):
+    x, inc, weight, bias, _eps, _out_dtype = inputs
+    s, _y, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(s if inc is not None else x, weight, mean, rstd)
+    ctx.has_inc = inc is not None
+    ctx.inc_dtype = inc.dtype if inc is not None else None
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, ds, dy, _dmean, _drstd):
+    s, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(s)
+    if not ctx.has_inc:
+        ds = None  # s is an empty placeholder without inc: nothing flows into it
+    dx, dinc, dw, db = _bwd_op(dy, ds, s, weight, mean, rstd, ctx.has_bias, ctx.inc_dtype)
+    return dx, (dinc if ctx.has_inc else None), dw, (db if ctx.has_bias else None), None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- public functions ---------------------------------------------------------------------------
+
+
+def _out_dtype(x: Tensor) -> torch.dtype:
+    dt = x.device.type
+    return torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else x.dtype
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    if x.shape[-1] != weight.shape[0] or weight.dim() != 1 or (bias is not None and bias.shape != weight.shape):
+        raise ValueError(f"expected weight and bias of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if x.shape[-1] > _MAX_COLS:
+        raise ValueError(f"rows of more than {_MAX_COLS} elements are not supported, got {x.shape[-1]}")
+
+
+def add_layer_norm(
+    x: Tensor, inc: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
+) -> tuple[Tensor, Tensor]:
+    """``(s, y)`` with ``s = x + inc`` (x's dtype) and ``y = F.layer_norm(s, ...)`` over the last dim,
+    in the autocast dtype under autocast (the input dtype of the matmul that reads it), else s's dtype.
+
+    ``x`` is the residual stream (fp32 under autocast), ``inc`` a branch output of any float dtype
+    and the same shape; gradients come back in each input's dtype.
+    """
+    if inc.shape != x.shape:
+        raise ValueError(f"x and inc must have one shape, got {tuple(x.shape)} and {tuple(inc.shape)}")
+    _check(x, weight, bias)
+    shape = x.shape
+    s, y, _, _ = _fwd_op(
+        x.reshape(-1, shape[-1]).contiguous(), inc.reshape(-1, shape[-1]).contiguous(), weight, bias, eps,
+        _out_dtype(x),
+    )  # fmt: skip
+    return s.view(shape), y.view(shape)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
+    """``F.layer_norm(x, ...)`` over the last dim, in the autocast dtype under autocast (see ``add_layer_norm``)."""
+    _check(x, weight, bias)
+    shape = x.shape
+    _, y, _, _ = _fwd_op(x.reshape(-1, shape[-1]).contiguous(), None, weight, bias, eps, _out_dtype(x))
+    return y.view(shape)
