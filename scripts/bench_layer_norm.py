@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 from triton.testing import do_bench
 
