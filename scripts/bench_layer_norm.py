@@ -70,11 +70,13 @@ def main() -> None:
         s, y = fn(*leaves)  # compile and warm
         torch.autograd.backward((s, y), (ds, dy))
 
-        def step():  # autograd.grad: no accumulation into .grad inside the timed graph
-            s, y = fn(*leaves)
-            torch.autograd.grad((s, y), leaves, (ds, dy))
+        def step():  # fresh leaves and autograd.grad: no AccumulateGrad node from outside the captured graph
+            fresh = [t.detach().requires_grad_() for t in leaves]
+            s, y = fn(*fresh)
+            torch.autograd.grad((s, y), fresh, (ds, dy))
 
-        fwd = do_bench_cudagraph(lambda: fn(*leaves), rep=100)
+        with torch.no_grad():
+            fwd = do_bench_cudagraph(lambda: fn(*leaves), rep=100)
         both = do_bench_cudagraph(step, rep=100)
         return fwd, both - fwd
 
