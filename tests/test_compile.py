@@ -286,3 +286,15 @@ def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
                                              "compile.inductor_options.triton.cudagraphs=false"])  # fmt: skip
     if "aot_inductor.metadata" in inductor_option_names():  # an option whose value is a dict, below a prefix
         assert flat_options({"aot_inductor": {"metadata": {"a": "1"}}}) == {"aot_inductor.metadata": {"a": "1"}}
+
+
+def test_kernel_ops_are_registered_as_inductor_fallbacks_up_front():
+    """Pins the Inductor internals register_kernel_fallbacks uses (torch 2.11 hangs compiling gpt2-small with
+    layer_norm=triton without it); where they move, it registers nothing and this fails."""
+    from torch._inductor.lowering import lowerings
+
+    from trainer.compile.capture import KERNEL_OPS, compile_kwargs, register_kernel_fallbacks
+
+    compile_kwargs("inductor", "default", True, None)  # every Inductor compile registers them
+    assert all(getattr(torch.ops.trainer, name).default in lowerings for name in KERNEL_OPS)
+    assert register_kernel_fallbacks() == []  # once

@@ -119,6 +119,40 @@ def inductor_options(mode: str = "default", user: dict | None = None, dynamic: b
     return options
 
 
+KERNEL_OPS = ("add_layer_norm", "add_layer_norm_backward", "linear_cross_entropy", "linear_cross_entropy_saved")
+"""Our ``torch.library`` ops (``trainer::<name>``), for :func:`register_kernel_fallbacks`."""
+
+
+def register_kernel_fallbacks() -> list[str]:
+    """Register our ops with Inductor as fallback kernels up front, the way Inductor registers an op it has no
+    lowering for the first time it meets it (an "implicit fallback": same layout constraint); returns the names
+    registered now.
+
+    Why: torch 2.11 writes the op's arguments into a log message when it creates an implicit fallback, whether
+    or not the message is logged, and the text of an argument doubles with every one of our ops it depends on
+    (each printed with all of its inputs). The gpt2-small loss op, first met after 25 add_layer_norm ops, kept
+    the forward's compile busy for minutes on an H100 (a 2-layer model compiled in 17 s). torch 2.13 formats
+    the message lazily. Where Inductor's internals moved, nothing is registered and Inductor does it itself.
+    """
+    import trainer.compile.kernels.add_layer_norm  # noqa: F401 - defines the ops
+    import trainer.compile.kernels.linear_cross_entropy  # noqa: F401
+
+    try:
+        from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:
+        return []
+    done = []
+    for name in KERNEL_OPS:
+        op = getattr(torch.ops.trainer, name).default
+        if op in lowerings:
+            continue
+        tag = get_layout_constraint_tag(op, with_default=True)  # a custom op: its tag, or Inductor's default
+        make_fallback(op, layout_constraint=tag_to_layout_constraint(tag), warn=False)
+        done.append(name)
+    return done
+
+
 def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | None, options: dict | None = None) -> dict:
     """``torch.compile``'s keyword arguments; with Inductor, ``mode`` goes in as its options (:func:`inductor_options`),
     so the trainer's defaults and the user's options combine with any mode."""
@@ -129,6 +163,7 @@ def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | Non
         check_inductor_options(backend, options)
         return kwargs
     kwargs["options"] = inductor_options(mode, options, dynamic)
+    register_kernel_fallbacks()
     return kwargs
 
 
