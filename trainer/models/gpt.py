@@ -147,7 +147,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         pending = None  # with model.layer_norm: triton, the last branch output not yet added to x
         for block in self.transformer.h:
-            if block.fused_norm:
+            if self.cfg.layer_norm == "triton":
                 x, pending = block(x, pending)
             else:
                 x = block(x)

@@ -129,6 +129,15 @@ def _adamw_kernel(
     adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP)
 
 
+def adamw_coefs(step: torch.Tensor, hparams: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+    """The update's per-step coefficients on the device (``_adamw_coefs_kernel``: step counted, lr, bias
+    corrections, clip factor when ``grad_norm`` is given), for ``adamw_update_block``."""
+    coefs = torch.empty(N_COEFS, dtype=torch.float32, device=step.device)
+    has_clip = grad_norm is not None
+    _adamw_coefs_kernel[(1,)](step, hparams, grad_norm if has_clip else step, coefs, HAS_CLIP=has_clip, num_warps=1)
+    return coefs
+
+
 def launch_adamw(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -143,9 +152,7 @@ def launch_adamw(
     num_warps: int = NUM_WARPS,
 ) -> None:
     """Launch the two kernels of one AdamW step (see the module docstring); arguments as ``adamw_step``."""
-    coefs = torch.empty(N_COEFS, dtype=torch.float32, device=param.device)
-    has_clip = grad_norm is not None
-    _adamw_coefs_kernel[(1,)](step, hparams, grad_norm if has_clip else step, coefs, HAS_CLIP=has_clip, num_warps=1)
+    coefs = adamw_coefs(step, hparams, grad_norm)
     n = param.numel()
     _adamw_kernel[(triton.cdiv(n, block_size),)](
         param,
@@ -155,7 +162,7 @@ def launch_adamw(
         coefs,
         n,
         DECOUPLED=decoupled,
-        HAS_CLIP=has_clip,
+        HAS_CLIP=grad_norm is not None,
         BLOCK_SIZE=block_size,
         num_warps=num_warps,
     )

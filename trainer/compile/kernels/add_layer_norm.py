@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
+
+from trainer.compile.kernels.flat import interpreted, triton_can_run
 
 __all__ = ["add_layer_norm", "layer_norm"]
 
@@ -143,12 +144,12 @@ def _add_ln_bwd_kernel(
     tl.store(DB_PART + pid * n_cols + cols, db, mask=col_ok)
 
 
-_INTERPRETED = isinstance(_add_ln_fwd_kernel, InterpretedFunction) and isinstance(tl.sum, InterpretedFunction)
+_INTERPRETED = interpreted(_add_ln_fwd_kernel)
 
 
 def _use_triton(device: torch.device) -> bool:
-    """Whether the Triton kernels can run on tensors of ``device`` in this process."""
-    return device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)
+    """Whether the Triton kernel can run on tensors of ``device`` in this process."""
+    return triton_can_run(device, _add_ln_fwd_kernel)
 
 
 # Elements per tile (rows x padded columns) of each kernel on the GPU, and elements per warp; the interpreter
@@ -292,8 +293,7 @@ def _setup_context(ctx, inputs, output):
     s, _y, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(s if inc is not None else x, weight, mean, rstd)
-    ctx.has_inc = inc is not None
-    ctx.inc_dtype = inc.dtype if inc is not None else None
+    ctx.inc_dtype = inc.dtype if inc is not None else None  # None: no inc
     ctx.has_bias = bias is not None
 
 
@@ -301,10 +301,11 @@ def _backward(ctx, ds, dy, _dmean, _drstd):
     s, weight, mean, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(s)
-    if not ctx.has_inc:
+    has_inc = ctx.inc_dtype is not None
+    if not has_inc:
         ds = None  # s is an empty placeholder without inc: nothing flows into it
     dx, dinc, dw, db = _bwd_op(dy, ds, s, weight, mean, rstd, ctx.has_bias, ctx.inc_dtype)
-    return dx, (dinc if ctx.has_inc else None), dw, (db if ctx.has_bias else None), None, None
+    return dx, (dinc if has_inc else None), dw, (db if ctx.has_bias else None), None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -60,14 +60,22 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def triton_can_run(device: torch.device, kernel: Any) -> bool:
-    """Whether ``kernel`` (a ``@triton.jit`` function) can run on tensors of ``device``.
+def interpreted(kernel: Any) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs in the Triton interpreter.
 
-    CUDA always can. CPU tensors only run under the Triton interpreter, which is chosen when the
-    kernel is decorated: ``TRITON_INTERPRET=1`` must be set before the kernel module is imported.
+    Triton chooses when it decorates: ``TRITON_INTERPRET=1`` must have been set when the kernel's module was
+    imported and also when ``triton`` itself was first imported (it decorates its own ``tl.sum``/``tl.max``
+    then); set in between, the kernel can run nowhere on CPU.
     """
-    interpreted = type(kernel).__name__ == "InterpretedFunction"
-    return device.type == "cuda" or (device.type == "cpu" and interpreted)
+    import triton.language as tl
+
+    return all(type(f).__name__ == "InterpretedFunction" for f in (kernel, tl.sum))
+
+
+def triton_can_run(device: torch.device, kernel: Any) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) can run on tensors of ``device``: CUDA always can, CPU
+    tensors only under the interpreter (:func:`interpreted`)."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreted(kernel))
 
 
 def group_by_dtype_and_device(params: Iterable[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list]:

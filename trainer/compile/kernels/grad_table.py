@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.compile.kernels.adamw import N_COEFS, NUM_WARPS, _adamw_coefs_kernel, adamw_update_block
+from trainer.compile.kernels.adamw import NUM_WARPS, adamw_coefs, adamw_update_block
 from trainer.compile.kernels.flat import capturing
 from trainer.compile.kernels.grad_norm import FINISH_BLOCK_SIZE, _sumsq_finish_kernel
 
@@ -170,14 +170,12 @@ class GradTable:
         decoupled: bool,
     ) -> None:
         """One Adam(W) step of the flat buffers with the tabled gradients (arguments as ``adamw_step``)."""
-        coefs = torch.empty(N_COEFS, dtype=torch.float32, device=param.device)
-        has_clip = grad_norm is not None
-        _adamw_coefs_kernel[(1,)](step, hparams, grad_norm if has_clip else step, coefs, HAS_CLIP=has_clip, num_warps=1)
+        coefs = adamw_coefs(step, hparams, grad_norm)
         if self.n_blocks:
             _adamw_blocks_kernel[(self.n_blocks,)](
                 param, exp_avg, exp_avg_sq, self.grad_ptrs, self.block_tensor, self.block_start, self.numels, coefs,
-                DECOUPLED=decoupled, HAS_CLIP=has_clip, GRAD_DTYPE=_TL_DTYPES[self.dtype], ALIGNED=self.aligned,
-                BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
+                DECOUPLED=decoupled, HAS_CLIP=grad_norm is not None, GRAD_DTYPE=_TL_DTYPES[self.dtype],
+                ALIGNED=self.aligned, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
             )  # fmt: skip
 
 

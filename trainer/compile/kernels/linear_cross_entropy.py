@@ -59,7 +59,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
+
+from trainer.compile.kernels.flat import interpreted, triton_can_run
 
 __all__ = ["linear_cross_entropy"]
 
@@ -132,15 +133,12 @@ def _linear_cross_entropy_kernel(
             tl.store(X_rows + cols[None, :], grad.to(X_ptr.dtype.element_ty), mask=mask)
 
 
-# Interpreted only if TRITON_INTERPRET=1 was set both when `triton` was first imported (tl.max and
-# tl.sum are @triton.jit functions too) and when this module was; a process that set it in
-# between can run the kernel nowhere on CPU and takes the PyTorch path there.
-_INTERPRETED = isinstance(_linear_cross_entropy_kernel, InterpretedFunction) and isinstance(tl.max, InterpretedFunction)
+_INTERPRETED = interpreted(_linear_cross_entropy_kernel)  # see flat.interpreted: when a CPU process can run it
 
 
 def _use_triton(device: torch.device) -> bool:
     """Whether the Triton kernel can run on tensors of ``device`` in this process."""
-    return device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)
+    return triton_can_run(device, _linear_cross_entropy_kernel)
 
 
 def _cross_entropy_rows_triton(
