@@ -116,6 +116,10 @@ def main() -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.fake_world)
         init = dist.init_process_group
         dist.init_process_group = lambda *args, **kw: None if dist.is_initialized() else init(*args, **kw)
+    elif a.variant == "fsdp-eager" and "WORLD_SIZE" in os.environ:  # ours: the Trainer creates its own group
+        if a.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
     torch.set_num_threads(1)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     acts = [torch.profiler.ProfilerActivity.CPU]
