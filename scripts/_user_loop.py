@@ -29,14 +29,27 @@ def user_model_and_data(preset: str, vocab: int, seq: int, batch: int, device: t
     return build_model(preset=preset, vocab_size=vocab, seq_len=seq, **shape).to(device), batches
 
 
-def user_step(model: nn.Module, step_model: nn.Module, batches, device: torch.device) -> Callable[[int], torch.Tensor]:
+def user_fsdp(model: nn.Module, bf16: bool) -> nn.Module:
+    """FSDP2 as a user applies it: ``fully_shard`` per block, then the root (kept gathered after forward), bf16
+    parameters when ``bf16``, fp32 gradient reduction. Returns ``model``, sharded in place."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    return fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+
+
+def user_step(model: nn.Module, step_model: nn.Module, batches, device: torch.device,
+              like_gpu: bool | None = None) -> Callable[[int], torch.Tensor]:  # fmt: skip
     """``step(i) -> loss``: one optimizer step on batch ``i``. ``model`` owns the parameters (AdamW's groups,
-    the clip); ``step_model`` runs the forward (``model`` itself, ``torch.compile(model)`` or a DDP wrapper)."""
+    the clip); ``step_model`` runs the forward (``model`` itself, ``torch.compile(model)`` or a DDP wrapper).
+    ``like_gpu`` (default: on CUDA): fused AdamW and bf16 autocast."""
     from trainer.build import param_groups
 
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=cuda)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    like_gpu = device.type == "cuda" if like_gpu is None else like_gpu
+    opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=like_gpu)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=like_gpu)
 
     def step(i: int) -> torch.Tensor:
         x, y = batches.train_batch(i, 0)

@@ -74,7 +74,7 @@ def run_user(a, spec: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from scripts._user_loop import user_model_and_data, user_step
+    from scripts._user_loop import user_fsdp, user_model_and_data, user_step
 
     world, rank, local = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     cuda = a.device == "cuda"
@@ -93,13 +93,7 @@ def run_user(a, spec: dict) -> dict:
             model.compile()  # then DDP: no graph breaks in DDP.forward (PYTORCH_NOTES)
         step_model = DDP(model, device_ids=[local] if cuda else None, bucket_cap_mb=a.bucket_mb)
     else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
-        for block in model.transformer.h:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
-        step_model = model
+        step_model = user_fsdp(model, bf16=cuda)
     step = user_step(model, step_model, batches, dev)
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)

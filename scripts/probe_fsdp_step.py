@@ -38,10 +38,8 @@ WATCH = ("item", "_local_scalar_dense", "all_reduce", "allreduce", "all_gather",
 def eager_loop(a, on_step) -> None:
     """The hand-written FSDP2 loop (scripts/bench_ddp.py's fsdp-eager), GPU settings unless --cpu-baseline."""
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from scripts._user_loop import BETAS, LR, MAX_NORM, WEIGHT_DECAY, user_model_and_data
-    from trainer.build import param_groups
+    from scripts._user_loop import user_fsdp, user_model_and_data, user_step
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cuda = a.device == "cuda"
@@ -49,20 +47,9 @@ def eager_loop(a, on_step) -> None:
     like_gpu = cuda or not a.cpu_baseline
     shape = {"n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd}
     model, batches = user_model_and_data(a.preset, a.vocab, a.seq, a.batch, dev, rank=rank, world_size=world, **shape)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if like_gpu else None, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
-    opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=like_gpu)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=like_gpu)
+    step = user_step(model, user_fsdp(model, bf16=like_gpu), batches, dev, like_gpu=like_gpu)
     for i in range(a.steps):
-        x, y = batches.train_batch(i, 0)
-        with autocast:
-            loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step(i)
         on_step()
     float(loss)
 

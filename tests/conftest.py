@@ -28,6 +28,17 @@ FAST = [
 ]
 
 
+def forbid_fallbacks(monkeypatch, module, *names: str) -> None:
+    """Replace ``module``'s PyTorch fallbacks ``names`` with a failure: where Triton can run, a test of a kernel
+    must test the kernel, not the fallback it would silently take."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the PyTorch fallback ran where the Triton kernel should have")
+
+    for name in names:
+        monkeypatch.setattr(module, name, fail)
+
+
 def run_cli(*args, env=None, timeout=300, cwd=ROOT):
     """Run `python -m trainer ARGS` in a subprocess; returns CompletedProcess with text output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from tests.conftest import forbid_fallbacks
 from trainer.compile.kernels import add_layer_norm as aln
 from trainer.compile.kernels.add_layer_norm import add_layer_norm, layer_norm
 
@@ -19,12 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _no_silent_fallback(monkeypatch):
     """Where Triton can run, the PyTorch fallback must not: a test of the kernels tests the kernels."""
     if aln._use_triton(torch.device(DEVICE)):
-
-        def fail(*args, **kwargs):
-            raise AssertionError("the PyTorch fallback ran where the Triton kernel should have")
-
-        monkeypatch.setattr(aln, "_forward_torch", fail)
-        monkeypatch.setattr(aln, "_backward_torch", fail)
+        forbid_fallbacks(monkeypatch, aln, "_forward_torch", "_backward_torch")
 
 
 def test_triton_runs_on_the_test_device():

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
+from tests.conftest import forbid_fallbacks  # noqa: E402
 from trainer.compile.kernels import linear_cross_entropy as lce  # noqa: E402
 from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
@@ -48,11 +49,7 @@ TOLERANCES = {
 def _no_silent_fallback(monkeypatch):
     """Where Triton can run, the PyTorch fallback must not: a test of the kernel tests the kernel."""
     if lce._use_triton(torch.device(DEVICE)):
-
-        def fail(*args, **kwargs):
-            raise AssertionError("the PyTorch fallback ran where the Triton kernel should have")
-
-        monkeypatch.setattr(lce, "_cross_entropy_rows_torch", fail)
+        forbid_fallbacks(monkeypatch, lce, "_cross_entropy_rows_torch")
 
 
 def _reference(x, w, t, ignore_index=-100, reduction="mean"):

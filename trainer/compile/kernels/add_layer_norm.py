@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trainer.compile.kernels.flat import interpreted, triton_can_run
+from trainer.compile.kernels.flat import autocast_dtype, interpreted, triton_can_run
 
 __all__ = ["add_layer_norm", "layer_norm"]
 
@@ -314,11 +314,6 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # ---- public functions ---------------------------------------------------------------------------
 
 
-def _out_dtype(x: Tensor) -> torch.dtype:
-    dt = x.device.type
-    return torch.get_autocast_dtype(dt) if torch.is_autocast_enabled(dt) else x.dtype
-
-
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     if x.shape[-1] != weight.shape[0] or weight.dim() != 1 or (bias is not None and bias.shape != weight.shape):
         raise ValueError(f"expected weight and bias of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
@@ -341,7 +336,7 @@ def add_layer_norm(
     shape = x.shape
     s, y, _, _ = _fwd_op(
         x.reshape(-1, shape[-1]).contiguous(), inc.reshape(-1, shape[-1]).contiguous(), weight, bias, eps,
-        _out_dtype(x),
+        autocast_dtype(x),
     )  # fmt: skip
     return s.view(shape), y.view(shape)
 
@@ -350,5 +345,5 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     """``F.layer_norm(x, ...)`` over the last dim, in the autocast dtype under autocast (see ``add_layer_norm``)."""
     _check(x, weight, bias)
     shape = x.shape
-    _, y, _, _ = _fwd_op(x.reshape(-1, shape[-1]).contiguous(), None, weight, bias, eps, _out_dtype(x))
+    _, y, _, _ = _fwd_op(x.reshape(-1, shape[-1]).contiguous(), None, weight, bias, eps, autocast_dtype(x))
     return y.view(shape)

@@ -78,6 +78,13 @@ def triton_can_run(device: torch.device, kernel: Any) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreted(kernel))
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype our ops compute in for ``x``: the autocast dtype while autocast is on for x's device type, else
+    x's own (what the matmul that follows would read)."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
 def group_by_dtype_and_device(params: Iterable[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list]:
     """Split ``params`` by (dtype, device), keeping their order; one FlatGroup is built per key."""
     groups: dict[tuple[torch.dtype, torch.device], list] = defaultdict(list)

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trainer.compile.kernels.flat import interpreted, triton_can_run
+from trainer.compile.kernels.flat import autocast_dtype, interpreted, triton_can_run
 
 __all__ = ["linear_cross_entropy"]
 
@@ -423,11 +423,7 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r} (use F.cross_entropy for 'none')")
     if not weight.dtype.is_floating_point:
         raise ValueError(f"weight must be floating point, got {weight.dtype}")
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = x.dtype
+    compute_dtype = autocast_dtype(x)
     if compute_dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"linear_cross_entropy computes in fp32, bf16 or fp16, not {compute_dtype}")
     if save_logit_grads:
