@@ -186,8 +186,6 @@ GPU_VARIANTS = {
     "ddp-compiled-triton-adamw": ["distributed.strategy=ddp", "compile.enabled=true", "optim.impl=triton"],
     "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.autograd=true"],
     "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true"],
-    # the backward's matmuls on cuBLASLt sized to 16 SMs fewer (2 GPUs only; one GPU runs without a carveout)
-    "ddp-compiled-sm-carveout": ["distributed.strategy=ddp", "compile.enabled=true", "distributed.sm_carveout=16"],
 }
 
 
@@ -281,32 +279,3 @@ def test_explain_under_torchrun_prints_the_plan_once(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("bucket plan: 4 buckets") == 1  # head, h.1, h.0, embeddings (2 layers)
     assert "forward graph split into 4 pieces (one per bucket)" in r.stdout
-
-
-def test_sm_carveout_off_is_a_null_context_and_torch_still_has_the_knob():
-    """distributed.sm_carveout=0 touches nothing; the torch internals the knob sets exist in this torch."""
-    from trainer.distributed.env import matmul_sm_carveout
-
-    with matmul_sm_carveout(0)():
-        assert torch._C._get_sm_carveout_experimental() is None
-    assert callable(torch._C._set_sm_carveout_experimental) and callable(torch.backends.cuda.preferred_blas_library)
-
-
-@pytest.mark.gpu
-def test_sm_carveout_context_sets_and_restores_the_matmul_settings():
-    """Inside: the carveout set and cuBLASLt preferred (the carveout's only path); after: both as before; the
-    matmul's result is the same either way (another kernel, the same sum to rounding)."""
-    from trainer.distributed.env import matmul_sm_carveout
-
-    before = (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library())
-    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
-    ref = a @ a
-    with matmul_sm_carveout(16)():
-        assert torch._C._get_sm_carveout_experimental() == 16
-        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
-        out = a @ a
-    assert (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()) == before
-    torch.testing.assert_close(out, ref)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    with pytest.raises(ValueError, match="not below"):
-        matmul_sm_carveout(sms)

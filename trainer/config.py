@@ -217,9 +217,6 @@ class DistributedConfig:
     reduce_dtype: str = _f("fp32", choices=["fp32", "bf16"])
     """DDP and FSDP: dtype gradients are reduced in. bf16 halves the bytes on the wire (for fp32 gradients) and the
     sum itself is computed in bf16; fp32 sums them in fp32 (bf16 gradients too: upcast for the reduction)."""
-    sm_carveout: int = _f(0, ge=0)
-    """DDP and FSDP on CUDA with 2+ processes: during the backward, cuBLAS matmuls target all but this many SMs,
-    leaving them to the gradient reductions that run beside (0: off, matmuls sized to the whole GPU)."""
 
 
 @dataclass(kw_only=True)

@@ -134,10 +134,6 @@ class Trainer:
         autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
         accum = cfg.train.grad_accum
         backward_ctx = _backward_context(cfg)
-        # ddp/fsdp on 2+ GPUs: matmuls in the backward leave SMs to the reductions running beside them
-        carveout = dist_env.matmul_sm_carveout(
-            cfg.distributed.sm_carveout if env.distributed and device.type == "cuda" else 0
-        )
 
         # 1/accum as a device tensor, not a Python number: compiled autograd lifts a Python scalar saved by
         # DivBackward into its graph, and torch 2.11's Inductor then called .item() on it in the generated
@@ -153,8 +149,7 @@ class Trainer:
                     with autocast:
                         loss = loss_of(model(x, y))
                     scaled = loss * inv_accum if accum > 1 else loss
-                    with carveout():
-                        (scaler.scale(scaled) if scaler else scaled).backward()
+                    (scaler.scale(scaled) if scaler else scaled).backward()
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # no zeros kernel
             return loss_sum / accum if accum > 1 else loss_sum
 

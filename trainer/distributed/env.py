@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -89,38 +88,3 @@ def any_rank(flag: bool, env: DistEnv) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-def matmul_sm_carveout(sms: int):
-    """A context factory: inside, cuBLAS matmuls target all but ``sms`` of the GPU's SMs (a null context for 0).
-
-    Why: in the backward, gradient reductions run beside the matmuls and NCCL's kernels hold some SMs. cuBLAS's
-    Hopper kernels are sized to the whole GPU (one wave of CTAs over every SM), so while NCCL holds SMs part of a
-    matmul waits for a second wave. Sized to fewer SMs, it fits beside NCCL. torch's carveout is an experimental
-    global read at each matmul's launch (so it holds inside CUDA-graph capture and compiled graphs too) and only on
-    the cuBLASLt path, which the context therefore also selects; both are restored on exit.
-
-    Raises:
-        ValueError: ``sms`` not below the device's SM count, or a torch without the carveout.
-    """
-    if sms == 0:
-        return contextlib.nullcontext
-    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    if setter is None:
-        raise ValueError("distributed.sm_carveout: this torch has no matmul SM carveout; set it to 0")
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    if sms >= total:
-        raise ValueError(f"distributed.sm_carveout: {sms} is not below this GPU's {total} SMs")
-
-    @contextlib.contextmanager
-    def carveout():
-        prev_sms, prev_lib = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
-        setter(sms)
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        try:
-            yield
-        finally:
-            setter(prev_sms)
-            torch.backends.cuda.preferred_blas_library(prev_lib)
-
-    return carveout
