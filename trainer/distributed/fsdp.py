@@ -1,9 +1,16 @@
 """FSDP2: ``fully_shard`` per block and on the root, mixed precision, DCP checkpoints.
 
 Order (torchtitan's, and the one that is correct with compile, see PYTORCH_NOTES): compile each
-block in place, then ``fully_shard`` each block, then the root. The root is never compiled: FSDP's
+block in place, then ``fully_shard`` the blocks, then the root. The root is never compiled: FSDP's
 hooks are ``dynamo.disable``-d, so a compiled root drops to eager; compiling per block keeps every
-block's compute compiled and every block one all-gather and one reduce-scatter.
+block's compute compiled.
+
+Units: the blocks are grouped as the bucket plan groups them (:mod:`trainer.distributed.buckets`,
+whole blocks up to ``distributed.bucket_mb``), one ``fully_shard`` unit per group, so one all-gather
+and one reduce-scatter per group rather than per block. FSDP2's hooks cost host time per unit and per
+collective, and a small model's step is host-bound (2 H200s, GPT-2 124M: the GPU idle 25 of 35 ms
+with a unit per block, see scripts/results/trace_fsdp_h200x2.txt). What is not in a block (embeddings,
+final norm, head) stays with the root.
 
 Checkpoints go through ``torch.distributed.checkpoint`` (DCP): each rank writes its shards, and a
 load reshards to whatever the current world size is (or to whole tensors in one process).
@@ -26,11 +33,18 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
+    unit_mb: float | None = None,
+    split_tail: bool = True,
+    say=None,
 ) -> nn.Module:
-    """Shard ``model`` in place: each block of the repeated blocks, then the root. Returns ``model``.
+    """Shard ``model`` in place: the repeated blocks in units (:func:`block_units`), then the root. Returns ``model``.
 
     Args:
         blocks: the repeated blocks' path (None: found, see :func:`trainer.compile.capture.find_blocks`).
+        unit_mb: blocks are grouped into units of at most this many MiB (of unsharded parameters), as the
+            bucket plan packs them; None: a unit per block.
+        split_tail: the bucket plan's rule for the first block (a unit of its own).
+        say: prints the units (one line), e.g. the trainer's console on rank 0.
         param_dtype: dtype parameters are gathered in for compute (None: as stored, fp32).
         reduce_dtype: dtype gradients are reduce-scattered in (None: ``param_dtype``).
         reshard_after_forward: free each block's gathered parameters after its forward (gathered
@@ -38,14 +52,37 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from trainer.compile.capture import find_blocks
-
-    _, block_list = find_blocks(model, blocks)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in block_list:
-        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    units = block_units(model, blocks, unit_mb, split_tail)
+    if say:
+        sizes = "+".join(str(len(u)) for u in units)
+        say(f"fsdp: {len(units)} units of blocks ({sizes} blocks, last first) and the root")
+    for unit in units:
+        fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     return model
+
+
+def block_units(
+    model: nn.Module, blocks: str | None, unit_mb: float | None, split_tail: bool = True
+) -> list[list[nn.Module]]:
+    """The repeated blocks grouped into FSDP units, in gradient-ready order (last block's unit first).
+
+    With ``unit_mb``: the blocks of each bucket of :func:`trainer.distributed.buckets.plan_buckets` (whole
+    blocks, up to ``unit_mb`` MiB) form one unit; units that are not blocks (embeddings, head) are left to the
+    root. Without: one unit per block.
+    """
+    from trainer.compile.capture import find_blocks
+    from trainer.distributed.buckets import plan_buckets
+
+    path, block_list = find_blocks(model, blocks)
+    if unit_mb is None:
+        return [[b] for b in reversed(block_list)]
+    prefix = f"{path}." if path else ""
+    by_name = {f"{prefix}{i}": b for i, b in enumerate(block_list)}
+    plan = plan_buckets(model, unit_mb, path, split_tail)
+    units = [[by_name[u] for u in bucket.units if u in by_name] for bucket in plan.buckets]
+    return [u for u in units if u]
 
 
 def is_sharded(model: nn.Module) -> bool:
