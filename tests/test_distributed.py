@@ -53,10 +53,10 @@ VARIANTS = {
     "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
                               "compile.autograd=true", "distributed.bucket_mb=0.01", "train.grad_accum=2",
                               "train.micro_batch_size=2"],
-    "fsdp-accum": ["distributed.strategy=fsdp", "train.micro_batch_size=2", "train.grad_accum=2"],
-    # Without the tail rule, both (tiny) blocks fit one bucket: one fully_shard unit of two compiled blocks.
-    "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true", "compile.backend=aot_eager",
-                      "distributed.split_tail=false"],
+    # A fully_shard unit per block (10 KiB units); by default both (tiny) blocks are one unit.
+    "fsdp-accum": ["distributed.strategy=fsdp", "train.micro_batch_size=2", "train.grad_accum=2",
+                   "distributed.fsdp_unit_mb=0.01"],
+    "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true", "compile.backend=aot_eager"],
 }  # fmt: skip
 
 
@@ -187,14 +187,8 @@ GPU_VARIANTS = {
     "ddp-compiled": ["distributed.strategy=ddp", "compile.enabled=true"],
     "ddp-compiled-triton-adamw": ["distributed.strategy=ddp", "compile.enabled=true", "optim.impl=triton"],
     "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.autograd=true"],
-    "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true"],
-    # both blocks in one fully_shard unit (the bucket plan's grouping, a cap over both, no tail rule)
-    "fsdp-compiled-grouped": [
-        "distributed.strategy=fsdp",
-        "compile.enabled=true",
-        "distributed.bucket_mb=100",
-        "distributed.split_tail=false",
-    ],
+    "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true", "distributed.fsdp_unit_mb=0.01"],
+    "fsdp-compiled-grouped": ["distributed.strategy=fsdp", "compile.enabled=true"],  # both blocks: one unit
 }
 
 

@@ -205,12 +205,15 @@ class DistributedConfig:
     backend: str = _f("auto", choices=["auto", "nccl", "gloo"])
     """Process-group backend: auto = nccl on CUDA, gloo on CPU."""
     bucket_mb: float = _f(100.0, gt=0.0)
-    """Bucket cap in MiB: whole blocks per bucket up to this size. DDP: one all-reduce and one compiled graph
-    piece per bucket (100 beat 25 on 2 H200s, see scripts/results/bench_ddp*); FSDP: one fully_shard unit (one
-    all-gather, one reduce-scatter) per bucket's blocks."""
+    """DDP gradient bucket cap in MiB: whole blocks per bucket up to this size; each bucket is one compiled graph
+    piece (fewer, larger pieces: less host overhead; 100 beat 25 on 2 H200s, see scripts/results/bench_ddp*)."""
     split_tail: bool = True
-    """Bucket plan: the block ready last before the embeddings is a bucket of its own, so the blocks before it
-    are reduced during its backward instead of after it (false: packed like the rest)."""
+    """DDP bucket plan: the block ready last before the embeddings is a bucket of its own, so the blocks before
+    it are reduced during its backward instead of after it (false: packed like the rest)."""
+    fsdp_unit_mb: float = _f(512.0, gt=0.0)
+    """FSDP: consecutive blocks share one fully_shard unit (one all-gather, one reduce-scatter) up to this many
+    MiB of fp32 parameters; a larger block is a unit of its own. FSDP2's hooks cost host time per unit: a unit
+    per block left GPT-2 124M host-bound on 2 H200s (see scripts/results/bench_fsdp_units_*)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])

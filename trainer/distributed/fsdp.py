@@ -5,8 +5,8 @@ block in place, then ``fully_shard`` the blocks, then the root. The root is neve
 hooks are ``dynamo.disable``-d, so a compiled root drops to eager; compiling per block keeps every
 block's compute compiled.
 
-Units: the blocks are grouped as the bucket plan groups them (:mod:`trainer.distributed.buckets`,
-whole blocks up to ``distributed.bucket_mb``), one ``fully_shard`` unit per group, so one all-gather
+Units: the blocks are grouped as the bucket plan packs them (:mod:`trainer.distributed.buckets`,
+whole blocks up to ``distributed.fsdp_unit_mb``), one ``fully_shard`` unit per group, so one all-gather
 and one reduce-scatter per group rather than per block. FSDP2's hooks cost host time per unit and per
 collective, and a small model's step is host-bound (2 H200s, GPT-2 124M: the GPU idle 25 of 35 ms
 with a unit per block, see scripts/results/trace_fsdp_h200x2.txt). What is not in a block (embeddings,
