@@ -53,9 +53,9 @@ VARIANTS = {
     "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
                               "compile.autograd=true", "distributed.bucket_mb=0.01", "train.grad_accum=2",
                               "train.micro_batch_size=2"],
-    # A fully_shard unit per block (10 KiB units); by default both (tiny) blocks are one unit.
+    # A fully_shard unit per block; by default both (tiny) blocks are one unit.
     "fsdp-accum": ["distributed.strategy=fsdp", "train.micro_batch_size=2", "train.grad_accum=2",
-                   "distributed.fsdp_unit_mb=0.01"],
+                   "distributed.fsdp_unit_mb=0"],
     "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true", "compile.backend=aot_eager"],
 }  # fmt: skip
 
@@ -187,7 +187,7 @@ GPU_VARIANTS = {
     "ddp-compiled": ["distributed.strategy=ddp", "compile.enabled=true"],
     "ddp-compiled-triton-adamw": ["distributed.strategy=ddp", "compile.enabled=true", "optim.impl=triton"],
     "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.autograd=true"],
-    "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true", "distributed.fsdp_unit_mb=0.01"],
+    "fsdp-compiled": ["distributed.strategy=fsdp", "compile.enabled=true", "distributed.fsdp_unit_mb=0"],
     "fsdp-compiled-grouped": ["distributed.strategy=fsdp", "compile.enabled=true"],  # both blocks: one unit
 }
 

@@ -210,7 +210,7 @@ def shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
         param_dtype=None if param_dtype in (None, torch.float32) else param_dtype,
         reduce_dtype=DTYPES[d.reduce_dtype],
         reshard_after_forward=d.reshard_after_forward,
-        unit_mb=d.fsdp_unit_mb,
+        unit_mb=d.fsdp_unit_mb or None,  # 0: a unit per block
         split_tail=False,  # DDP's rule for overlapping the last all-reduce; FSDP units gain from being few
         say=say,
     )

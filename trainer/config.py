@@ -210,10 +210,10 @@ class DistributedConfig:
     split_tail: bool = True
     """DDP bucket plan: the block ready last before the embeddings is a bucket of its own, so the blocks before
     it are reduced during its backward instead of after it (false: packed like the rest)."""
-    fsdp_unit_mb: float = _f(512.0, gt=0.0)
+    fsdp_unit_mb: float = _f(512.0, ge=0.0)
     """FSDP: consecutive blocks share one fully_shard unit (one all-gather, one reduce-scatter) up to this many
-    MiB of fp32 parameters; a larger block is a unit of its own. FSDP2's hooks cost host time per unit: a unit
-    per block left GPT-2 124M host-bound on 2 H200s (see scripts/results/bench_fsdp_units_*)."""
+    MiB of fp32 parameters; a larger block is a unit of its own; 0: a unit per block. FSDP2's hooks cost host
+    time per unit: a unit per block left GPT-2 124M host-bound on 2 H200s (scripts/results/bench_fsdp_unit*)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
