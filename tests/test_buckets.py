@@ -77,6 +77,28 @@ def test_fsdp_units_are_the_plans_blocks():
     assert block_units(model, None, None) == [[h[4]], [h[3]], [h[2]], [h[1]], [h[0]]]
 
 
+def test_explain_describes_the_fsdp_units():
+    from tests.conftest import ROOT
+    from trainer.build import fsdp_units_report
+    from trainer.config import load_config
+
+    def report(unit_mb):
+        cfg = load_config(
+            ROOT / "configs/tiny.yaml", ["distributed.strategy=fsdp", f"distributed.fsdp_unit_mb={unit_mb}"]
+        )
+        return fsdp_units_report(model, cfg)
+
+    model = _gpt(5)
+    text = report(2 * sum(p.numel() * 4 for p in model.transformer.h[0].parameters()) / MiB)
+    # as block_units packs them: the head's bytes keep block 4 alone (see the test above, without the tail rule)
+    assert "fsdp: 3 fully_shard unit(s)" in text, text
+    assert "| transformer.h.4 " in text and "transformer.h.1 .. transformer.h.0 (2 blocks)" in text, text
+    total = sum(p.numel() * 4 for p in model.parameters()) / MiB
+    listed = sum(float(line.rsplit("|", 1)[1].split()[0]) for line in text.splitlines()[1:])
+    assert abs(listed - total) < 0.02, (listed, total)  # every parameter in a unit or the root, once
+    assert "fsdp: 5 fully_shard unit(s) of blocks (a unit per block)" in report(0)
+
+
 def test_model_without_blocks_is_packed_per_parameter_in_reverse_order():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     plan = plan_buckets(model, bucket_mb=1)

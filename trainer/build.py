@@ -226,6 +226,14 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return model
 
 
+def fsdp_units_report(model: nn.Module, cfg: Config) -> str:
+    """``trainer explain``'s view of the FSDP units (as :func:`shard` builds them)."""
+    from trainer.distributed.fsdp import block_units, describe_units
+
+    unit_mb = cfg.distributed.fsdp_unit_mb or None
+    return describe_units(model, block_units(model, cfg.compile.blocks, unit_mb, split_tail=False), unit_mb)
+
+
 def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
     """``trainer explain``'s view of the bucket plan: bucket -> units -> parameters -> bytes -> graph piece.
 

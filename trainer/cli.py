@@ -155,6 +155,10 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
         from trainer.build import ddp_plan_report
 
         print(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
+    elif cfg.distributed.strategy == "fsdp":
+        from trainer.build import fsdp_units_report
+
+        print(fsdp_units_report(trainer.raw_model, cfg))
     if dump_dir:
         print(f"generated code: {len(files)} file(s) in {dump_dir}")
         for f in files:

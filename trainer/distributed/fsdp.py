@@ -85,6 +85,22 @@ def block_units(
     return [u for u in units if u]
 
 
+def describe_units(model: nn.Module, units: list[list[nn.Module]], unit_mb: float | None) -> str:
+    """``trainer explain``'s view of the FSDP units: one line per unit (its blocks, MiB of parameters as stored)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    cap = f"cap {unit_mb:g} MiB" if unit_mb else "a unit per block"
+    lines = [f"fsdp: {len(units)} fully_shard unit(s) of blocks ({cap}), in gradient-ready order, then the root"]
+    for i, unit in enumerate(units):
+        first, last = names[id(unit[0])], names[id(unit[-1])]
+        span = first if len(unit) == 1 else f"{first} .. {last} ({len(unit)} blocks)"
+        mib = sum(p.numel() * p.element_size() for m in unit for p in m.parameters()) / (1 << 20)
+        lines.append(f"  unit {i:>2} | {span:<50} | {mib:8.2f} MiB")
+    rest = {id(p) for u in units for m in u for p in m.parameters()}
+    root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in rest) / (1 << 20)
+    lines.append(f"  root    | {'everything else (embeddings, head)':<50} | {root:8.2f} MiB")
+    return "\n".join(lines)
+
+
 def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
