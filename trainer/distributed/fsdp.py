@@ -1,4 +1,4 @@
-"""FSDP2: ``fully_shard`` per block and on the root, mixed precision, DCP checkpoints.
+"""FSDP2: ``fully_shard`` on units of blocks and on the root, mixed precision, DCP checkpoints.
 
 Order (torchtitan's, and the one that is correct with compile, see PYTORCH_NOTES): compile each
 block in place, then ``fully_shard`` the blocks, then the root. The root is never compiled: FSDP's
@@ -41,14 +41,14 @@ def apply_fsdp(
 
     Args:
         blocks: the repeated blocks' path (None: found, see :func:`trainer.compile.capture.find_blocks`).
+        param_dtype: dtype parameters are gathered in for compute (None: as stored, fp32).
+        reduce_dtype: dtype gradients are reduce-scattered in (None: ``param_dtype``).
+        reshard_after_forward: free each unit's gathered parameters after its forward (gathered
+            again for the backward). The root keeps them: its backward comes first.
         unit_mb: blocks are grouped into units of at most this many MiB (of unsharded parameters), as the
             bucket plan packs them; None: a unit per block.
         split_tail: the bucket plan's rule for the first block (a unit of its own).
         say: prints the units (one line), e.g. the trainer's console on rank 0.
-        param_dtype: dtype parameters are gathered in for compute (None: as stored, fp32).
-        reduce_dtype: dtype gradients are reduce-scattered in (None: ``param_dtype``).
-        reshard_after_forward: free each block's gathered parameters after its forward (gathered
-            again for the backward). The root keeps them: its backward comes first.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
