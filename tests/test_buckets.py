@@ -64,16 +64,16 @@ def _first(plan, name):
 
 
 def test_fsdp_units_are_the_plans_blocks():
-    """FSDP shards the blocks in the bucket plan's groups (one fully_shard unit per bucket's blocks); the
-    embeddings and head stay with the root; without a cap, one unit per block."""
+    """FSDP shards the blocks in the bucket plan's groups (one fully_shard unit per bucket's blocks, no tail
+    rule); the embeddings and head stay with the root; without a cap, one unit per block."""
     from trainer.distributed.fsdp import block_units
 
     model = _gpt(5)
     h = model.transformer.h
     block = sum(p.numel() * 4 for p in h[0].parameters())
-    assert block_units(model, None, 2 * block / MiB) == [[h[4]], [h[3], h[2]], [h[1]], [h[0]]]  # split_tail
-    assert block_units(model, None, 2 * block / MiB, split_tail=False) == [[h[4]], [h[3], h[2]], [h[1], h[0]]]
-    assert block_units(model, None, 100) == [[h[4], h[3], h[2], h[1]], [h[0]]]
+    # the plan without DDP's tail rule: the head's bytes keep block 4 alone
+    assert block_units(model, None, 2 * block / MiB) == [[h[4]], [h[3], h[2]], [h[1], h[0]]]
+    assert block_units(model, None, 100) == [[h[4], h[3], h[2], h[1], h[0]]]
     assert block_units(model, None, None) == [[h[4]], [h[3]], [h[2]], [h[1]], [h[0]]]
 
 

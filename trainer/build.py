@@ -193,7 +193,7 @@ def shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
     """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard."""
     import dataclasses
 
-    from trainer.distributed.fsdp import DTYPES, apply_fsdp
+    from trainer.distributed.fsdp import DTYPES, apply_fsdp, describe_units
 
     c, d = cfg.compile, cfg.distributed
     if c.enabled:
@@ -204,15 +204,15 @@ def shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
         blocks = dataclasses.replace(c, scope="blocks")
         apply_compile(model, blocks, say=say or (lambda m: None), hooks_outside=True)
     param_dtype = amp_dtype if d.param_dtype == "auto" else DTYPES[d.param_dtype]
+    units = fsdp_units(model, cfg)
+    if say:  # the report's first line; `trainer explain` prints all of it
+        say(describe_units(model, units, d.fsdp_unit_mb).split("\n", 1)[0])
     apply_fsdp(
         model,
-        blocks=c.blocks,
+        units,
         param_dtype=None if param_dtype in (None, torch.float32) else param_dtype,
         reduce_dtype=DTYPES[d.reduce_dtype],
         reshard_after_forward=d.reshard_after_forward,
-        unit_mb=d.fsdp_unit_mb or None,  # 0: a unit per block
-        split_tail=False,  # DDP's rule for overlapping the last all-reduce; FSDP units gain from being few
-        say=say,
     )
 
 
@@ -226,12 +226,18 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return model
 
 
+def fsdp_units(model: nn.Module, cfg: Config) -> list[list[nn.Module]]:
+    """The blocks' FSDP units for ``cfg`` (``distributed.fsdp_unit_mb``, 0: a unit per block)."""
+    from trainer.distributed.fsdp import block_units
+
+    return block_units(model, cfg.compile.blocks, cfg.distributed.fsdp_unit_mb or None)
+
+
 def fsdp_units_report(model: nn.Module, cfg: Config) -> str:
     """``trainer explain``'s view of the FSDP units (as :func:`shard` builds them)."""
-    from trainer.distributed.fsdp import block_units, describe_units
+    from trainer.distributed.fsdp import describe_units
 
-    unit_mb = cfg.distributed.fsdp_unit_mb or None
-    return describe_units(model, block_units(model, cfg.compile.blocks, unit_mb, split_tail=False), unit_mb)
+    return describe_units(model, fsdp_units(model, cfg), cfg.distributed.fsdp_unit_mb)
 
 
 def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:

@@ -28,49 +28,36 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def apply_fsdp(
     model: nn.Module,
+    units: list[list[nn.Module]],
     *,
-    blocks: str | None,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
-    unit_mb: float | None = None,
-    split_tail: bool = True,
-    say=None,
 ) -> nn.Module:
-    """Shard ``model`` in place: the repeated blocks in units (:func:`block_units`), then the root. Returns ``model``.
+    """Shard ``model`` in place: each unit of blocks (see :func:`block_units`), then the root. Returns ``model``.
 
     Args:
-        blocks: the repeated blocks' path (None: found, see :func:`trainer.compile.capture.find_blocks`).
+        units: the blocks, grouped; each group is one ``fully_shard`` unit.
         param_dtype: dtype parameters are gathered in for compute (None: as stored, fp32).
         reduce_dtype: dtype gradients are reduce-scattered in (None: ``param_dtype``).
         reshard_after_forward: free each unit's gathered parameters after its forward (gathered
             again for the backward). The root keeps them: its backward comes first.
-        unit_mb: blocks are grouped into units of at most this many MiB (of unsharded parameters), as the
-            bucket plan packs them; None: a unit per block.
-        split_tail: the bucket plan's rule for the first block (a unit of its own).
-        say: prints the units (one line), e.g. the trainer's console on rank 0.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    units = block_units(model, blocks, unit_mb, split_tail)
-    if say:
-        sizes = "+".join(str(len(u)) for u in units)
-        say(f"fsdp: {len(units)} units of blocks ({sizes} blocks, last first) and the root")
     for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     return model
 
 
-def block_units(
-    model: nn.Module, blocks: str | None, unit_mb: float | None, split_tail: bool = True
-) -> list[list[nn.Module]]:
+def block_units(model: nn.Module, blocks: str | None, unit_mb: float | None) -> list[list[nn.Module]]:
     """The repeated blocks grouped into FSDP units, in gradient-ready order (last block's unit first).
 
     With ``unit_mb``: the blocks of each bucket of :func:`trainer.distributed.buckets.plan_buckets` (whole
-    blocks, up to ``unit_mb`` MiB) form one unit; units that are not blocks (embeddings, head) are left to the
-    root. Without: one unit per block.
+    blocks up to ``unit_mb`` MiB, without DDP's tail rule: units gain from being few) form one unit; units that
+    are not blocks (embeddings, head) are left to the root. Without: one unit per block.
     """
     from trainer.compile.capture import find_blocks
     from trainer.distributed.buckets import plan_buckets
@@ -80,7 +67,7 @@ def block_units(
         return [[b] for b in reversed(block_list)]
     prefix = f"{path}." if path else ""
     by_name = {f"{prefix}{i}": b for i, b in enumerate(block_list)}
-    plan = plan_buckets(model, unit_mb, path, split_tail)
+    plan = plan_buckets(model, unit_mb, path, split_tail=False)
     units = [[by_name[u] for u in bucket.units if u in by_name] for bucket in plan.buckets]
     return [u for u in units if u]
 
