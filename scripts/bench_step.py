@@ -168,6 +168,7 @@ def _spec(variant: str) -> dict:
 def _trace_path(trace_dir: str, variant: str) -> str:
     """Where a variant's GPU timeline goes: its name made file-safe."""
     name = variant.replace("@", "_at_").replace("=", "-").replace("/", "_").replace(":", "_")
+    os.makedirs(trace_dir, exist_ok=True)
     return os.path.join(trace_dir, f"{name}.json.gz")
 
 
