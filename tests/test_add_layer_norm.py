@@ -44,16 +44,18 @@ def _leaves(*ts):
     return [t for t in ts if t is not None]
 
 
-def _reference(x, inc, w, b, gy, gs, eps=1e-5):
-    """float64: s = x + inc, y = layer_norm(s); the loss <y, gy> + <s, gs>, its gradients."""
+def _reference(x, inc, w, b, gy, gs, eps=1e-5, ib=None):
+    """float64: s = x + (inc + ib), y = layer_norm(s); the loss <y, gy> + <s, gs>, its gradients
+    (x, inc, w, b, ib: those given)."""
     xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ir = inc.detach().double().requires_grad_() if inc is not None else None
     br = b.detach().double().requires_grad_() if b is not None else None
-    s = xr + ir if ir is not None else xr
+    ibr = ib.detach().double().requires_grad_() if ib is not None else None
+    s = xr + (ir if ibr is None else ir + ibr) if ir is not None else xr
     y = F.layer_norm(s, s.shape[-1:], wr, br, eps)
     loss = (y * gy.double()).sum() + ((s * gs.double()).sum() if ir is not None else 0)
     loss.backward()
-    return s.detach(), y.detach(), [t.grad for t in _leaves(xr, ir, wr, br)]
+    return s.detach(), y.detach(), [t.grad for t in _leaves(xr, ir, wr, br, ibr)]
 
 
 def _err(a, ref):
@@ -92,6 +94,44 @@ def test_add_layer_norm_matches_float64(shape, x_dtype, inc_dtype, autocast, tol
     assert x.grad.dtype == x_dtype and inc.grad.dtype == inc_dtype and w.grad.dtype == w.dtype
 
 
+@pytest.mark.parametrize("shape", [(7, 64), (2, 37, 768), (40, 1000)], ids=str)
+@pytest.mark.parametrize(
+    "inc_dtype,autocast,tol",
+    # tolerances as in the test above; the inc bias gradient is a column sum of the fp32 dx (observed <= 4e-7 in
+    # fp32; with autocast the bf16 dy's rounding, as for the weight gradient).
+    [(torch.float32, False, 1e-6), (torch.bfloat16, True, 1.6e-2)],
+    ids=["fp32", "fp32+bf16-autocast"],
+)
+def test_inc_bias_is_added_and_gets_the_column_sums(shape, inc_dtype, autocast, tol):
+    """s = x + (inc + inc_bias): the bias of the matmul that made inc, added in fp32; its gradient is the column
+    sums of the gradient into s, from the backward's partial sums."""
+    x, inc, w, b, gy, gs = _inputs(shape, torch.float32, inc_dtype, seed=shape[-1] + 1)
+    ib = (0.5 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(3))).to(DEVICE).requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        s, y = add_layer_norm(x, inc, w, b, inc_bias=ib)
+    ((y.float() * gy).sum() + (s.float() * gs).sum()).backward()
+    s_ref, y_ref, grads_ref = _reference(x, inc, w, b, gy, gs, ib=ib)
+    assert _err(s, s_ref) <= 1e-6
+    assert _err(y, y_ref) <= tol
+    for got, want in zip([x.grad, inc.grad, w.grad, b.grad, ib.grad], grads_ref):
+        assert _err(got, want) <= tol
+    assert ib.grad.dtype == ib.dtype and ib.grad.shape == ib.shape
+
+
+def test_partial_sums_finish_over_many_parts_and_ragged_columns():
+    # The finishing kernel: fp32 column sums of (k, parts, cols) partials in order, more parts than one step
+    # takes and a width that is not a multiple of its column block; each sum cast to its output's dtype.
+    g = torch.Generator().manual_seed(0)
+    parts = torch.randn((3, 150, 77), generator=g).to(DEVICE)
+    outs = [torch.empty(77, device=DEVICE), torch.empty(77, device=DEVICE), torch.empty(77, device=DEVICE).bfloat16()]
+    aln._sum_parts_kernel[(3, -(-77 // aln._SUM_COLS))](
+        parts, *outs, 150, 77, BLOCK_PARTS=aln._SUM_PARTS, BLOCK_COLS=aln._SUM_COLS
+    )
+    want = parts.double().sum(1)
+    for k in range(3):
+        torch.testing.assert_close(outs[k].double(), want[k], rtol=1e-5 if k < 2 else 8e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(7, 64), (2, 37, 768)], ids=str)
 def test_layer_norm_without_inc_matches_float64(shape):
     x, _, w, b, gy, _ = _inputs(shape, torch.float32, None)
@@ -116,16 +156,17 @@ def test_s_unused_downstream_gets_no_gradient_from_it():
 def test_torch_fallback_matches_the_kernels(monkeypatch):
     # The PyTorch path (CPU without the interpreter) computes what the kernels compute.
     x, inc, w, b, gy, gs = _inputs((9, 100), torch.float32, torch.float32)
-    s, y = add_layer_norm(x, inc, w, b)
+    ib = torch.randn(100, device=DEVICE).requires_grad_()
+    s, y = add_layer_norm(x, inc, w, b, inc_bias=ib)
     ((y * gy).sum() + (s * gs).sum()).backward()
-    kernel = [t.detach().clone() for t in (s, y, x.grad, inc.grad, w.grad, b.grad)]
-    for t in (x, inc, w, b):
+    kernel = [t.detach().clone() for t in (s, y, x.grad, inc.grad, w.grad, b.grad, ib.grad)]
+    for t in (x, inc, w, b, ib):
         t.grad = None
     monkeypatch.undo()  # the autouse fixture's replacements: the fallback must run now
     monkeypatch.setattr(aln, "_use_triton", lambda device: False)
-    s, y = add_layer_norm(x, inc, w, b)
+    s, y = add_layer_norm(x, inc, w, b, inc_bias=ib)
     ((y * gy).sum() + (s * gs).sum()).backward()
-    for got, want in zip((s, y, x.grad, inc.grad, w.grad, b.grad), kernel):
+    for got, want in zip((s, y, x.grad, inc.grad, w.grad, b.grad, ib.grad), kernel):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -154,3 +195,5 @@ def test_bad_shapes_are_rejected():
         add_layer_norm(x, inc[:, :8], w, b)
     with pytest.raises(ValueError, match="weight and bias of shape"):
         layer_norm(x, w[:8], b[:8])
+    with pytest.raises(ValueError, match="inc_bias of shape"):
+        add_layer_norm(x, inc, w, b, inc_bias=b[:8])

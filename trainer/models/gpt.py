@@ -50,7 +50,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.backend = sdpa_backend(cfg.attention)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, proj_bias: bool = True) -> torch.Tensor:
+        """Attention's output; ``proj_bias=False`` leaves c_proj's bias out (the caller adds it)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -63,6 +64,8 @@ class CausalSelfAttention(nn.Module):
             with sdpa_kernel(self.backend):  # traced by Dynamo: the choice is made at trace time
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        if not proj_bias:
+            return self.resid_dropout(F.linear(y, self.c_proj.weight))
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -78,14 +81,16 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-def _norm(ln: nn.LayerNorm, x: torch.Tensor, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + pending, ln(x + pending))`` in one Triton kernel (``model.layer_norm: triton``); no pending
-    increment: ``(x, ln(x))``."""
+def _norm(
+    ln: nn.LayerNorm, x: torch.Tensor, pending: torch.Tensor | None, pending_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + pending, ln(x + pending))`` in one Triton kernel (``model.layer_norm: triton``), the
+    increment's bias (if any) added there too; no pending increment: ``(x, ln(x))``."""
     from trainer.compile.kernels.add_layer_norm import add_layer_norm, layer_norm
 
     if pending is None:
         return x, layer_norm(x, ln.weight, ln.bias, ln.eps)
-    return add_layer_norm(x, pending, ln.weight, ln.bias, ln.eps)
+    return add_layer_norm(x, pending, ln.weight, ln.bias, ln.eps, inc_bias=pending_bias)
 
 
 class Block(nn.Module):
@@ -96,6 +101,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
         self.fused_norm = cfg.layer_norm == "triton"
+        # With the fused norm (and no dropout between the projection and the add), ln_2's kernel adds
+        # attn.c_proj's bias and its backward sums the bias gradient: one reduction over the (tokens x width)
+        # gradient fewer per block. (The MLP's c_proj bias stays in its matmul: its add belongs to the next
+        # block's norm, and a parameter read outside its own block would cross DDP's graph pieces and FSDP's units.)
+        self.fold_attn_bias = self.fused_norm and cfg.dropout == 0.0
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None):
         """``x + attn(ln_1(x))``, then ``+ mlp(ln_2(.))``. With ``model.layer_norm: triton`` each residual add is
@@ -105,7 +115,10 @@ class Block(nn.Module):
             x = x + self.attn(self.ln_1(x))
             return x + self.mlp(self.ln_2(x))
         x, h = _norm(self.ln_1, x, pending)
-        x, h = _norm(self.ln_2, x, self.attn(h))
+        if self.fold_attn_bias:
+            x, h = _norm(self.ln_2, x, self.attn(h, proj_bias=False), self.attn.c_proj.bias)
+        else:
+            x, h = _norm(self.ln_2, x, self.attn(h))
         return x, self.mlp(h)
 
 
