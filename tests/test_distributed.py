@@ -50,6 +50,10 @@ VARIANTS = {
     # 10 KiB buckets: one block per bucket, so the compiled forward is split into 4 pieces.
     "ddp-compiled": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
                      "distributed.bucket_mb=0.01"],
+    # The Triton residual-add + LayerNorm (the interpreter on CPU; the default on CUDA), which takes each
+    # attention projection's bias into ln_2's kernel: the pieces still follow the plan (checked below).
+    "ddp-compiled-fused-norm": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
+                                "distributed.bucket_mb=0.01", "model.layer_norm=triton"],
     "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
                               "compile.autograd=true", "distributed.bucket_mb=0.01", "train.grad_accum=2",
                               "train.micro_batch_size=2"],
@@ -64,6 +68,7 @@ VARIANTS = {
 def test_two_ranks_reproduce_one_process(variant, one_process, tmp_path):
     r = _torchrun(2, *COMMON, "train.micro_batch_size=4", *VARIANTS[variant], f"run.dir={tmp_path}")
     assert r.returncode == 0, r.stderr
+    assert "do not follow the bucket plan" not in r.stdout + r.stderr
     a, b = losses(one_process), losses(tmp_path)
     assert sorted(a) == sorted(b) == list(range(1, 9))  # rank 0 alone writes: each step once
     # The logged loss is the mean over ranks; the ranks' gradients are summed in another order than one
