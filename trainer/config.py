@@ -75,7 +75,9 @@ class ModelConfig:
     """Built-in GPT: torch: nn.LayerNorm and the residual adds, compiled by Inductor; triton: each residual add
     and the LayerNorm that reads it in one Triton kernel forward and one backward
     (trainer/compile/kernels/add_layer_norm.py; the sum is saved, not the normalised tensor; one A/B run on gpt2-small,
-    H100: 497K tok/s vs 493K, same memory, first compile 25 s vs 33 s); auto: triton on CUDA, else torch."""
+    H100: 497K tok/s vs 493K, same memory, first compile 25 s vs 33 s), the weight-gradient sums finished in one
+    launch and, with dropout 0, the attention projection's bias added there (its gradient from the same sums: two
+    A/B runs, 506K/504K vs 499K/500K); auto: triton on CUDA, else torch."""
     attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
     with torch 2.11; see scripts/bench_attention.py). Checked on the device at startup."""

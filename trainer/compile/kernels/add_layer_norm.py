@@ -24,7 +24,8 @@ normalised tensor, the same bytes:
 ``inc_bias`` (optional) is the bias of the matmul that produced ``inc``, moved into this op: the
 forward adds it in fp32 and the backward's partial sums include ``dx``'s column sums, which is its
 gradient, so the separate reduction over the (tokens x width) gradient that the matmul's bias
-would cost in the backward (24 launches, 0.22 ms of the same step) goes away.
+would cost in the backward goes away (the GPT does it for the attention projection: 12 of the 24
+such reductions, ~0.1 ms of the same step).
 
 ``layer_norm`` is the same op without ``inc`` (the first block's norm). Both are ``torch.library``
 custom ops with fake implementations, so they compose with ``torch.compile(fullgraph=True)``.
