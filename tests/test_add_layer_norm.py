@@ -189,6 +189,16 @@ def test_compiles_fullgraph_without_breaks():
         torch.testing.assert_close(g, t.grad, rtol=1e-6, atol=0)
 
 
+def test_no_rows_give_zero_weight_gradients():
+    x, inc, w, b, *_ = _inputs((0, 16), torch.float32, torch.float32)
+    ib = torch.randn(16, device=DEVICE).requires_grad_()
+    s, y = add_layer_norm(x, inc, w, b, inc_bias=ib)
+    (y.sum() + s.sum()).backward()
+    assert s.shape == y.shape == (0, 16)
+    for t in (w, b, ib):
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+
 def test_bad_shapes_are_rejected():
     x, inc, w, b, *_ = _inputs((3, 16), torch.float32, torch.float32)
     with pytest.raises(ValueError, match="one shape"):

@@ -332,7 +332,7 @@ def _bwd_op(
     # (Three in the interpreter, so that CPU tests cover the partial sums of several programs.)
     programs = 3 if _INTERPRETED else PROGRAMS_PER_SM * torch.cuda.get_device_properties(s.device).multi_processor_count
     programs = max(1, min(programs, triton.cdiv(n_rows, block_rows)))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_rows) * block_rows
+    rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, programs), block_rows)) * block_rows
     programs = max(1, triton.cdiv(n_rows, rows_per_program))
     n_sums = 3 if inc_bias_dtype is not None else 2
     parts = (s.new_empty if n_rows else s.new_zeros)((n_sums, programs, n_cols), dtype=torch.float32)
