@@ -189,6 +189,25 @@ def test_compiles_fullgraph_without_breaks():
         torch.testing.assert_close(g, t.grad, rtol=1e-6, atol=0)
 
 
+def test_any_view_as_incoming_gradient_or_vector():
+    # A .sum() loss sends expanded (stride-0) gradients; a strided bias vector is read as given, not at stride 1.
+    x, inc, w, b, *_ = _inputs((6, 40), torch.float32, torch.float32)
+    ib = torch.randn(80, device=DEVICE)[::2].requires_grad_()
+    s, y = add_layer_norm(x, inc, w, b, inc_bias=ib)
+    (y.sum() + 2 * s.sum()).backward()
+    ones = torch.ones(6, 40, device=DEVICE)
+    s_ref, y_ref, grads_ref = _reference(x, inc, w, b, ones, 2 * ones, ib=ib)
+    assert _err(s, s_ref) <= 1e-6 and _err(y, y_ref) <= 1e-5
+    for got, want in zip([x.grad, inc.grad, w.grad, b.grad, ib.grad], grads_ref):
+        assert _err(got, want) <= 1e-5
+
+
+def test_inc_bias_without_inc_is_refused():
+    x, _, w, b, *_ = _inputs((3, 16), torch.float32, None)
+    with pytest.raises(ValueError, match="inc_bias without inc"):
+        torch.ops.trainer.add_layer_norm(x, None, b.detach(), w, b, 1e-5, torch.float32)
+
+
 def test_no_rows_give_zero_weight_gradients():
     x, inc, w, b, *_ = _inputs((0, 16), torch.float32, torch.float32)
     ib = torch.randn(16, device=DEVICE).requires_grad_()

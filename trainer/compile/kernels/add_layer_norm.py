@@ -250,6 +250,8 @@ def _fwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(s, y, mean, rstd)`` over the rows of 2-D ``x``: ``s = x + (inc + inc_bias)`` (empty without
     ``inc``), ``y = LayerNorm(s)`` in ``out_dtype``, fp32 row statistics."""
+    if inc_bias is not None and inc is None:
+        raise ValueError("add_layer_norm: inc_bias without inc")
     n_rows, n_cols = x.shape
     if not _use_triton(x.device):
         return _forward_torch(x, inc, inc_bias, weight, bias, eps, out_dtype)
@@ -379,6 +381,10 @@ def _backward(ctx, ds, dy, _dmean, _drstd):
     has_inc = ctx.inc_dtype is not None
     if not has_inc:
         ds = None  # s is an empty placeholder without inc: nothing flows into it
+    # The kernel reads rows at a stride of the width; an incoming gradient can be any view (e.g. an expanded
+    # scalar from a .sum() loss).
+    dy = dy.contiguous()
+    ds = ds.contiguous() if ds is not None else None
     dx, dinc, dw, db, dib = _bwd_op(dy, ds, s, weight, mean, rstd, ctx.has_bias, ctx.inc_dtype, ctx.inc_bias_dtype)
     return (
         dx,
@@ -395,6 +401,11 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- public functions ---------------------------------------------------------------------------
+
+
+def _dense(t: Tensor | None) -> Tensor | None:
+    """The kernels read vectors at stride 1 (a parameter already is: no copy)."""
+    return t.contiguous() if t is not None else None
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
@@ -429,8 +440,8 @@ def add_layer_norm(
         raise ValueError(f"expected inc_bias of shape ({x.shape[-1]},), got {tuple(inc_bias.shape)}")
     shape = x.shape
     s, y, _, _ = _fwd_op(
-        x.reshape(-1, shape[-1]).contiguous(), inc.reshape(-1, shape[-1]).contiguous(), inc_bias, weight, bias,
-        eps, autocast_dtype(x),
+        x.reshape(-1, shape[-1]).contiguous(), inc.reshape(-1, shape[-1]).contiguous(), _dense(inc_bias),
+        _dense(weight), _dense(bias), eps, autocast_dtype(x),
     )  # fmt: skip
     return s.view(shape), y.view(shape)
 
@@ -439,5 +450,6 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     """``F.layer_norm(x, ...)`` over the last dim, in the autocast dtype under autocast (see ``add_layer_norm``)."""
     _check(x, weight, bias)
     shape = x.shape
-    _, y, _, _ = _fwd_op(x.reshape(-1, shape[-1]).contiguous(), None, None, weight, bias, eps, autocast_dtype(x))
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    _, y, _, _ = _fwd_op(x2, None, None, _dense(weight), _dense(bias), eps, autocast_dtype(x))
     return y.view(shape)
