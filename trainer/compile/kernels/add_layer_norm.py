@@ -225,8 +225,8 @@ def _num_warps(block_rows: int, block_cols: int, kernel: str) -> int:
 
 def _forward_torch(x, inc, inc_bias, weight, bias, eps, out_dtype):
     if inc is not None:
-        inc = inc.float() + inc_bias.float() if inc_bias is not None else inc
-        s = (x.float() + inc.float()).to(x.dtype)
+        inc = inc.float() if inc_bias is None else inc.float() + inc_bias.float()
+        s = (x.float() + inc).to(x.dtype)
     else:
         s = x
     sf = s.float()

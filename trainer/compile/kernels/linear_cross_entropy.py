@@ -89,7 +89,8 @@ def _linear_cross_entropy_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
-    L2_HINTS: tl.constexpr = True,
+    EVICT_PASS1: tl.constexpr = "evict_last",
+    EVICT_PASS2: tl.constexpr = "evict_first",
 ):
     """Per-row cross-entropy of logits ``X`` (n_rows, n_cols); ``X`` becomes its gradient.
 
@@ -97,8 +98,8 @@ def _linear_cross_entropy_kernel(
     With COMPUTE_GRAD, X[r] is overwritten with softmax(X[r]) - onehot(target[r]) (zeros for
     ignored rows): the gradient of the summed loss. All arithmetic is fp32.
 
-    L2_HINTS: pass 1 asks L2 to keep the row (``evict_last``) and pass 2 lets it go
-    (``evict_first``), so that pass 2's read of the row is served from L2, not HBM.
+    L2 eviction policies: pass 1 asks L2 to keep the row (``evict_last``) and pass 2 lets it go
+    (``evict_first``), so that pass 2's read of the row is served from L2, not HBM ("": none).
     """
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -115,12 +116,8 @@ def _linear_cross_entropy_kernel(
     d = tl.zeros([BLOCK_ROWS], tl.float32)
     for off in range(0, n_cols, BLOCK_SIZE):
         cols = off + tl.arange(0, BLOCK_SIZE)
-        if L2_HINTS:
-            z = tl.load(
-                X_rows + cols[None, :], mask=cols[None, :] < n_cols, other=float("-inf"), eviction_policy="evict_last"
-            )
-        else:
-            z = tl.load(X_rows + cols[None, :], mask=cols[None, :] < n_cols, other=float("-inf"))
+        col_ok = cols[None, :] < n_cols
+        z = tl.load(X_rows + cols[None, :], mask=col_ok, other=float("-inf"), eviction_policy=EVICT_PASS1)
         z = z.to(tl.float32)  # bf16 arithmetic is wrong in the interpreter; fp32 is what we want anyway
         m_new = tl.maximum(m, tl.max(z, axis=1))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
@@ -136,17 +133,10 @@ def _linear_cross_entropy_kernel(
         for off in range(0, n_cols, BLOCK_SIZE):
             cols = off + tl.arange(0, BLOCK_SIZE)
             mask = row_mask[:, None] & (cols[None, :] < n_cols)
-            if L2_HINTS:
-                z = tl.load(X_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            else:
-                z = tl.load(X_rows + cols[None, :], mask=mask, other=0.0)
-            z = z.to(tl.float32)
+            z = tl.load(X_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT_PASS2).to(tl.float32)
             grad = tl.exp(z - lse[:, None]) - tl.where(cols[None, :] == safe_target[:, None], 1.0, 0.0)
             grad = tl.where(valid[:, None], grad, 0.0).to(X_ptr.dtype.element_ty)
-            if L2_HINTS:
-                tl.store(X_rows + cols[None, :], grad, mask=mask, eviction_policy="evict_first")
-            else:
-                tl.store(X_rows + cols[None, :], grad, mask=mask)
+            tl.store(X_rows + cols[None, :], grad, mask=mask, eviction_policy=EVICT_PASS2)
 
 
 _INTERPRETED = interpreted(_linear_cross_entropy_kernel)  # see flat.interpreted: when a CPU process can run it
@@ -192,7 +182,7 @@ def _cross_entropy_rows_triton(
         BLOCK_ROWS=block_rows,
         BLOCK_SIZE=block_size,
         COMPUTE_GRAD=compute_grad,
-        L2_HINTS=l2_hints,
+        **({} if l2_hints else {"EVICT_PASS1": "", "EVICT_PASS2": ""}),
         num_warps=num_warps,
     )
 
