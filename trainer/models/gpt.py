@@ -115,10 +115,8 @@ class Block(nn.Module):
             x = x + self.attn(self.ln_1(x))
             return x + self.mlp(self.ln_2(x))
         x, h = _norm(self.ln_1, x, pending)
-        if self.fold_attn_bias:
-            x, h = _norm(self.ln_2, x, self.attn(h, proj_bias=False), self.attn.c_proj.bias)
-        else:
-            x, h = _norm(self.ln_2, x, self.attn(h))
+        fold = self.fold_attn_bias
+        x, h = _norm(self.ln_2, x, self.attn(h, proj_bias=not fold), self.attn.c_proj.bias if fold else None)
         return x, self.mlp(h)
 
 
