@@ -31,8 +31,9 @@ _ROWS_TORCH = lce._cross_entropy_rows_torch  # kept before the autouse fixture b
 # dtype -> (loss relative error, gradient error as max|err| / max|ref|) against float64, over
 # the shapes of test_matches_float64_reference (observed maxima in the comments, CPU interpreter).
 TOLERANCES = {
-    # Observed 1.2e-7 and 1.1e-6: fp32 rounding of the C <= 64 term dot products and of exp/log.
-    torch.float32: (1e-6, 5e-6),
+    # Observed 1.2e-7 and 2.1e-5. The gradient error is torch's own fp32 CPU matmul ``dlogits @ W`` summing
+    # V = 50304 terms: 1.3e-5 with the kernel's dlogits, which are within 8e-8 of float64's (torch 2.13, AVX-512).
+    torch.float32: (1e-6, 5e-5),
     # Observed 1.7e-3 and 1.1e-2. Logits, dlogits and the returned gradients are bf16 (8-bit
     # mantissa, 2^-9 relative rounding): eager bf16 F.cross_entropy is off by as much (1.7e-3,
     # 6.9e-3). The interpreter truncates fp32 -> bf16 stores instead of rounding to nearest
