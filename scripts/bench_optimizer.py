@@ -115,7 +115,7 @@ def make_groups(shapes, dtype, device, seed=0):
 
 def build_row(row, groups, backend):
     """Return a zero-argument step function for one row."""
-    from trainer.compile.kernels.adamw import TritonAdamW  # imported in main(), outside the timing
+    from trainer.compile.kernels.optimizers import TritonAdamW  # imported in main(), outside the timing
     from trainer.compile.optimizer import compile_optimizer
 
     kw = dict(lr=LR, betas=BETAS, eps=EPS)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_optim_kernels import DEVICE, _clone_params, _params  # sets TRITON_INTERPRET first on CPU
-from trainer.compile.kernels.adamw import TritonAdamW
+from trainer.compile.kernels.optimizers import TritonAdamW
 
 
 def test_table_mode_leaves_gradients_to_autograd():

@@ -26,10 +26,12 @@ from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from trainer.compile.kernels import adamw as adamw_mod  # noqa: E402
 from trainer.compile.kernels import grad_norm as grad_norm_mod  # noqa: E402
 from trainer.compile.kernels import sgd as sgd_mod  # noqa: E402
-from trainer.compile.kernels.adamw import TritonAdam, TritonAdamW, adamw_step  # noqa: E402
-from trainer.compile.kernels.flat import FlatGroup, triton_can_run  # noqa: E402
+from trainer.compile.kernels.adamw import adamw_step  # noqa: E402
+from trainer.compile.kernels.flat import FlatGroup  # noqa: E402
 from trainer.compile.kernels.grad_norm import grad_norm  # noqa: E402
-from trainer.compile.kernels.sgd import TritonSGD, sgd_step  # noqa: E402
+from trainer.compile.kernels.optimizers import TritonAdam, TritonAdamW, TritonSGD  # noqa: E402
+from trainer.compile.kernels.runtime import triton_can_run  # noqa: E402
+from trainer.compile.kernels.sgd import sgd_step  # noqa: E402
 from trainer.compile.optimizer import build_optimizer  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -482,9 +484,9 @@ def test_build_optimizer_triton_clips_and_reports():
 _NO_INTERPRETER = r"""
 import json, torch
 out = {}
-from trainer.compile.kernels import adamw, grad_norm, grad_table, sgd
+from trainer.compile.kernels import adamw, grad_norm, grad_table, optimizers, sgd
 try:
-    adamw.TritonAdamW([torch.nn.Parameter(torch.zeros(3))])
+    optimizers.TritonAdamW([torch.nn.Parameter(torch.zeros(3))])
 except ValueError as e:
     out["error"] = str(e)
 import triton

@@ -410,11 +410,11 @@ def build_optimizer(
 
     if resolved == "triton":
         if name == "sgd":
-            from trainer.compile.kernels.sgd import TritonSGD
+            from trainer.compile.kernels.optimizers import TritonSGD
 
             opt: torch.optim.Optimizer = TritonSGD(groups, lr=lr, momentum=momentum, max_grad_norm=max_grad_norm)
         else:
-            from trainer.compile.kernels.adamw import TritonAdamW
+            from trainer.compile.kernels.optimizers import TritonAdamW
 
             # Gradients stay autograd's own tensors (read through an address table), not a flat buffer that
             # autograd would have to add into: see trainer/compile/kernels/grad_table.py.
@@ -441,12 +441,8 @@ def build_optimizer(
 def __getattr__(name: str) -> Any:
     # Lazy, so importing this module does not decorate the Triton kernels: under
     # TRITON_INTERPRET=1 the variable must be set before they are.
-    if name in ("TritonAdamW", "TritonAdam"):
-        from trainer.compile.kernels import adamw
+    if name in ("TritonAdamW", "TritonAdam", "TritonSGD"):
+        from trainer.compile.kernels import optimizers
 
-        return getattr(adamw, name)
-    if name == "TritonSGD":
-        from trainer.compile.kernels.sgd import TritonSGD
-
-        return TritonSGD
+        return getattr(optimizers, name)
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""Adam/AdamW over flat buffers: ``trainer::adamw_step`` and the ``TritonAdamW`` / ``TritonAdam`` optimizers.
+"""Adam/AdamW over flat buffers: the ``trainer::adamw_step`` op (``optimizers.TritonAdamW`` uses it).
 
 One step of one flat group is two launches:
 
@@ -22,13 +22,11 @@ about one ulp per step.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
-from trainer.compile.kernels.flat import FlatGroup, FlatOptimizer
+from trainer.compile.kernels.runtime import check_flat_args
 
 BLOCK_SIZE = 2048
 NUM_WARPS = 8
@@ -168,21 +166,6 @@ def launch_adamw(
     )
 
 
-def _check_flat_args(param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor], step, hparams, n_hparams):
-    for name, t in [("param", param), ("grad", grad)] + [(f"state {i}", s) for i, s in enumerate(states)]:
-        if t.device != param.device or not t.is_contiguous() or t.numel() != param.numel():
-            raise ValueError(
-                f"{name}: expected a contiguous tensor of {param.numel()} elements on {param.device}, "
-                f"got {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
-            )
-    if grad.dtype != param.dtype or any(s.dtype != torch.float32 for s in states):
-        raise ValueError(f"grad must have the param dtype ({param.dtype}) and states must be float32")
-    if step.dtype != torch.float32 or step.numel() != 1 or step.device != param.device:
-        raise ValueError("step must be a one-element float32 tensor on the param device")
-    if hparams.dtype != torch.float64 or hparams.numel() != n_hparams or hparams.device != param.device:
-        raise ValueError(f"hparams must be a float64 tensor of {n_hparams} elements on the param device")
-
-
 @torch.library.custom_op("trainer::adamw_step", mutates_args=("param", "exp_avg", "exp_avg_sq", "step"))
 def adamw_step(
     param: torch.Tensor,
@@ -206,122 +189,10 @@ def adamw_step(
         grad_norm: Global gradient norm (fp32 scalar on the device) to clip with, or ``None``.
         decoupled: AdamW's decoupled weight decay if true, Adam's L2 penalty if false.
     """
-    _check_flat_args(param, grad, [exp_avg, exp_avg_sq], step, hparams, N_HPARAMS)
+    check_flat_args(param, grad, [exp_avg, exp_avg_sq], step, hparams, N_HPARAMS)
     launch_adamw(param, grad, exp_avg, exp_avg_sq, step, hparams, grad_norm, decoupled)
 
 
 @adamw_step.register_fake
 def _(param, grad, exp_avg, exp_avg_sq, step, hparams, grad_norm, decoupled) -> None:
     return None
-
-
-class TritonAdamW(FlatOptimizer):
-    """AdamW over flat buffers with our Triton kernels: one launch per flat group and step.
-
-    A drop-in for ``torch.optim.AdamW`` on CUDA (state layout and checkpoints interchange with it),
-    with optional global-norm gradient clipping fused into the step. See
-    :mod:`trainer.compile.kernels.flat` for the flat-buffer semantics (a ``None`` gradient counts
-    as zero) and this module's docstring for precision.
-
-    Args:
-        params: Parameters or param-group dicts, all on one CUDA device (CPU only under
-            ``TRITON_INTERPRET=1``, for tests).
-        lr: Learning rate.
-        betas: Coefficients of the running averages of the gradient and its square.
-        eps: Added to the denominator.
-        weight_decay: Weight decay (decoupled for AdamW).
-        max_grad_norm: Clip gradients to this global L2 norm inside the step; 0 disables. The
-            pre-clip norm is left in ``last_grad_norm`` (a device tensor) for logging.
-        flat_grads: Gradients in a flat buffer too (default), or left where autograd puts them and read
-            through a table of addresses (:mod:`trainer.compile.kernels.grad_table`): no ``grad += new``
-            in the backward and no zeroing, for a single GPU without gradient accumulation.
-        decoupled_weight_decay: AdamW (true) or Adam with an L2 penalty (false).
-
-    Raises:
-        ValueError: On invalid hyperparameters, or parameters on a device Triton cannot run on.
-    """
-
-    state_keys = ("exp_avg", "exp_avg_sq")
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        *,
-        max_grad_norm: float = 0.0,
-        decoupled_weight_decay: bool = True,
-        flat_grads: bool = True,
-    ):
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"Invalid betas: {betas}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        # The same keys as torch.optim.AdamW's groups, so checkpoints load either way.
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=False,
-            maximize=False,
-            foreach=None,
-            capturable=False,
-            differentiable=False,
-            fused=None,
-            decoupled_weight_decay=decoupled_weight_decay,
-        )
-        super().__init__(params, defaults, max_grad_norm, flat_grads=flat_grads)
-
-    def _kernel(self):
-        return _adamw_kernel
-
-    def _hparams(self, group: dict[str, Any]) -> tuple[float, ...]:
-        beta1, beta2 = group["betas"]
-        return (
-            float(group["lr"]),
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            self.max_grad_norm,
-        )
-
-    def _update(self, group, flat: FlatGroup, bufs, step, hparams, grad_norm) -> None:
-        decoupled = bool(group.get("decoupled_weight_decay", self.defaults["decoupled_weight_decay"]))
-        if not self.flat_grads:
-            m, v = bufs["exp_avg"], bufs["exp_avg_sq"]
-            flat.table.launch_adamw(flat.param, m, v, step, hparams, grad_norm, decoupled)
-            return
-        adamw_step(flat.param, flat.grad, bufs["exp_avg"], bufs["exp_avg_sq"], step, hparams, grad_norm, decoupled)
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        for key in ("amsgrad", "maximize"):
-            if group.get(key):
-                raise ValueError(f"{type(self).__name__} does not implement {key}=True (the checkpoint has it)")
-
-
-class TritonAdam(TritonAdamW):
-    """Adam (L2 weight decay added to the gradient) over flat buffers; see :class:`TritonAdamW`."""
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        *,
-        max_grad_norm: float = 0.0,
-        flat_grads: bool = True,
-    ):
-        super().__init__(
-            params, lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, decoupled_weight_decay=False,
-            flat_grads=flat_grads,
-        )  # fmt: skip

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trainer.compile.kernels.flat import autocast_dtype, interpreted, triton_can_run
+from trainer.compile.kernels.runtime import autocast_dtype, interpreted, triton_can_run
 
 __all__ = ["add_layer_norm", "layer_norm"]
 

@@ -8,7 +8,7 @@ over three or four flat buffers, with no per-step gather or scatter. The distrib
 gradient buckets are FlatGroups too: a bucket is one flat gradient buffer to reduce.
 
 :class:`FlatOptimizer` is the ``torch.optim.Optimizer`` base of our Triton optimizers
-(``TritonAdamW``, ``TritonSGD``): it owns the flat groups, keeps ``state`` in torch's per-parameter
+(:mod:`trainer.compile.kernels.optimizers`): it owns the flat groups, keeps ``state`` in torch's per-parameter
 layout (views into the flat state buffers), and gives ``state_dict()`` / ``load_state_dict()`` that
 interchange with ``torch.optim.AdamW`` / ``torch.optim.SGD`` checkpoints.
 
@@ -46,6 +46,10 @@ from typing import Any
 
 import torch
 
+from trainer.compile.kernels import grad_table
+from trainer.compile.kernels.grad_norm import grad_norm
+from trainer.compile.kernels.runtime import capturing, triton_can_run
+
 # Each parameter starts on a 64-byte (and 16-element) boundary of its flat buffer, so the views keep
 # the 16-byte alignment that cuBLAS, vectorised kernels and Inductor's alignment assumptions want.
 ALIGN_BYTES = 64
@@ -53,36 +57,6 @@ ALIGN_BYTES = 64
 
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def interpreted(kernel: Any) -> bool:
-    """Whether ``kernel`` (a ``@triton.jit`` function) runs in the Triton interpreter.
-
-    Triton chooses when it decorates: ``TRITON_INTERPRET=1`` must have been set when the kernel's module was
-    imported and also when ``triton`` itself was first imported (it decorates its own ``tl.sum``/``tl.max``
-    then); set in between, the kernel can run nowhere on CPU.
-    """
-    import triton.language as tl
-
-    return all(type(f).__name__ == "InterpretedFunction" for f in (kernel, tl.sum))
-
-
-def triton_can_run(device: torch.device, kernel: Any) -> bool:
-    """Whether ``kernel`` (a ``@triton.jit`` function) can run on tensors of ``device``: CUDA always can, CPU
-    tensors only under the interpreter (:func:`interpreted`)."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreted(kernel))
-
-
-def autocast_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype our ops compute in for ``x``: the autocast dtype while autocast is on for x's device type, else
-    x's own (what the matmul that follows would read)."""
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
 def group_by_dtype_and_device(params: Iterable[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list]:
@@ -296,8 +270,6 @@ class FlatOptimizer(torch.optim.Optimizer):
                 if self.flat_grads:
                     flat = FlatGroup(ps)
                 else:
-                    from trainer.compile.kernels import grad_table
-
                     flat = FlatGroup(ps, flat_grads=False, align=grad_table.BLOCK_SIZE)
                     flat.table = grad_table.GradTable(ps, flat.offsets, flat.numel)
                 bufs = {k: flat.zeros(torch.float32) for k in self.state_keys}
@@ -422,11 +394,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if not self._flats:
             return torch.zeros((), dtype=torch.float32)
         if not self.flat_grads:
-            from trainer.compile.kernels.grad_table import tables_norm
-
-            return tables_norm([flat.table for _, flat in self._flats])
-        from trainer.compile.kernels.grad_norm import grad_norm
-
+            return grad_table.tables_norm([flat.table for _, flat in self._flats])
         return grad_norm([flat.grad for _, flat in self._flats])
 
     @torch.no_grad()

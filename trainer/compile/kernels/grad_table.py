@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from trainer.compile.kernels.adamw import NUM_WARPS, adamw_coefs, adamw_update_block
-from trainer.compile.kernels.flat import capturing
 from trainer.compile.kernels.grad_norm import FINISH_BLOCK_SIZE, _sumsq_finish_kernel
+from trainer.compile.kernels.runtime import capturing
 
 BLOCK_SIZE = 2048
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -1,4 +1,4 @@
-"""SGD with momentum over flat buffers: ``trainer::sgd_step`` and the ``TritonSGD`` optimizer.
+"""SGD with momentum over flat buffers: the ``trainer::sgd_step`` op (``optimizers.TritonSGD`` uses it).
 
 Follows ``torch.optim.SGD`` exactly: weight decay is the L2 penalty added to the gradient (as
 torch's SGD does), the momentum buffer starts as a copy of the first gradient (no dampening on the
@@ -10,14 +10,11 @@ The first-step test reads the device step counter, so it needs no host sync eith
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
-from trainer.compile.kernels.adamw import _check_flat_args
-from trainer.compile.kernels.flat import FlatGroup, FlatOptimizer
+from trainer.compile.kernels.runtime import check_flat_args
 
 BLOCK_SIZE = 2048
 NUM_WARPS = 8
@@ -133,97 +130,10 @@ def sgd_step(
         nesterov: Nesterov momentum.
     """
     states = [momentum_buffer] if momentum_buffer is not None else []
-    _check_flat_args(param, grad, states, step, hparams, N_HPARAMS)
+    check_flat_args(param, grad, states, step, hparams, N_HPARAMS)
     launch_sgd(param, grad, momentum_buffer, step, hparams, grad_norm, nesterov)
 
 
 @sgd_step.register_fake
 def _(param, grad, momentum_buffer, step, hparams, grad_norm, nesterov) -> None:
     return None
-
-
-class TritonSGD(FlatOptimizer):
-    """SGD (momentum, Nesterov, L2 weight decay) over flat buffers with our Triton kernels.
-
-    A drop-in for ``torch.optim.SGD`` on CUDA whose state (``momentum_buffer``) and checkpoints
-    interchange with it, plus optional fused global-norm clipping. The momentum buffer is fp32 for
-    any parameter dtype. See :mod:`trainer.compile.kernels.flat` for the flat-buffer semantics.
-
-    Args:
-        params: Parameters or param-group dicts, all on one CUDA device (CPU only under
-            ``TRITON_INTERPRET=1``).
-        lr: Learning rate.
-        momentum: Momentum factor (0 disables the buffer).
-        dampening: Dampening for momentum.
-        weight_decay: L2 penalty added to the gradient.
-        nesterov: Nesterov momentum (needs momentum > 0 and dampening == 0).
-        max_grad_norm: Clip gradients to this global L2 norm inside the step; 0 disables.
-
-    Raises:
-        ValueError: On invalid hyperparameters, or parameters on a device Triton cannot run on.
-    """
-
-    state_keys = ("momentum_buffer",)
-    state_has_step = False
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        *,
-        max_grad_norm: float = 0.0,
-    ):
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not momentum >= 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        # The same keys as torch.optim.SGD's groups, so checkpoints load either way.
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=False,
-            foreach=None,
-            differentiable=False,
-            fused=None,
-        )
-        super().__init__(params, defaults, max_grad_norm)
-
-    def _kernel(self):
-        return _sgd_kernel
-
-    def _hparams(self, group: dict[str, Any]) -> tuple[float, ...]:
-        return (
-            float(group["lr"]),
-            float(group["momentum"]),
-            float(group["dampening"]),
-            float(group["weight_decay"]),
-            self.max_grad_norm,
-        )
-
-    def _update(self, group, flat: FlatGroup, bufs, step, hparams, grad_norm) -> None:
-        momentum_buffer = bufs["momentum_buffer"] if group["momentum"] != 0 else None
-        sgd_step(flat.param, flat.grad, momentum_buffer, step, hparams, grad_norm, bool(group["nesterov"]))
-
-    def _has_state(self, group: dict[str, Any], host_step: int) -> bool:
-        return host_step > 0 and group["momentum"] != 0
-
-    def _loaded_step(self, state: dict[str, Any]) -> float:
-        # torch's SGD keeps no step; a saved momentum buffer means the seeding step is past.
-        return 1.0 if state.get("momentum_buffer") is not None else 0.0
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        if group.get("maximize"):
-            raise ValueError("TritonSGD does not implement maximize=True (the checkpoint has it)")
-        if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
