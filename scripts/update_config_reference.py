@@ -1,4 +1,4 @@
-"""Rewrite README.md's config reference from the schema: python scripts/update_config_reference.py"""
+"""Rewrite docs/configuration.md's config reference from the schema: python scripts/update_config_reference.py"""
 
 import re
 import sys
@@ -9,13 +9,13 @@ from trainer.config import reference_markdown
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
-def render(readme: str) -> str:
+def render(doc: str) -> str:
     block = f"{START}\n{reference_markdown()}\n{END}"
-    return re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, readme, flags=re.S)
+    return re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
 
 
 if __name__ == "__main__":
-    path = Path(__file__).resolve().parents[1] / "README.md"
+    path = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     new = render(path.read_text())
     if "--check" in sys.argv:
         sys.exit(0 if new == path.read_text() else 1)

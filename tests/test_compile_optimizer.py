@@ -359,7 +359,7 @@ def test_clipping_through_fused_adamw_grad_scale_equals_clip_grad_norm(device):
     parameters, states and clipped gradients as clip_grad_norm_ + AdamW, to fp32 rounding."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from trainer.loop import _clip
+    from trainer.step import clip_gradients as _clip
 
     torch.manual_seed(0)
     ref_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(device)

@@ -5,14 +5,143 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import random
 import warnings
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from trainer.config import Config, ConfigError
 from trainer.distributed.fsdp import is_sharded
+
+
+def resolve_auto(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
+    """A copy of ``cfg`` with ``compile.enabled`` and ``compile.cudagraphs`` resolved for ``device``, and why (the
+    startup line's reasons). ``auto`` is the fastest measured path: compiled on CUDA, and the whole step as one CUDA
+    graph wherever the step allows it."""
+    cfg = copy.deepcopy(cfg)
+    c, why = cfg.compile, []
+    if c.enabled == "auto":
+        c.enabled = device.type == "cuda"
+        why.append(f"compile.enabled=auto: {'on for CUDA' if c.enabled else 'off on ' + device.type}")
+    if c.cudagraphs == "auto":
+        from trainer.compile.graphed import blocker
+
+        reason = blocker(cfg) if device.type == "cuda" else None
+        c.cudagraphs = device.type == "cuda" and reason is None
+        state = "on" if c.cudagraphs else f"off, {reason}" if reason else f"off on {device.type}"
+        why.append(f"compile.cudagraphs=auto: {state}")
+    return cfg, why
+
+
+def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str:
+    """The startup line that says which path the step runs and why: compiled or eager, graphed or not, kernels."""
+    from trainer.step import GRAPH_AFTER_STEPS
+
+    c = cfg.compile
+    path = f"compiled ({c.backend}, {'whole model' if c.scope == 'model' else 'each block'})" if c.enabled else "eager"
+    if c.autograd:
+        path += " + compiled autograd"
+    if c.cudagraphs and device.type == "cuda":
+        path += f", the whole step replayed as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps"
+    kernels = [f"{opt.impl} {cfg.optim.name}"]
+    kernels += ["fused linear+cross-entropy"] if fused_loss(cfg, device) else []
+    kernels += ["triton cross-entropy"] if cross_entropy(cfg, device) == "triton" else []
+    kernels += ["triton add+layernorm"] if layer_norm(cfg, device) == "triton" else []
+    reasons = f" ({'; '.join(why)})" if why else ""
+    return f"path: {path}; {', '.join(kernels)}{reasons}"
+
+
+def make_model(cfg: Config, vocab_size: int, device: torch.device) -> nn.Module:
+    """The model the config describes (the built-in GPT with this device's kernels, or ``model.target``'s)."""
+    from trainer.models import build_model
+
+    m = cfg.model
+    check_attention(cfg, device, amp_dtype(cfg.train.precision, device))
+    return build_model(
+        preset=m.preset, vocab_size=vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+        n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, fused_loss=fused_loss(cfg, device), attention=m.attention,
+        cross_entropy=cross_entropy(cfg, device), layer_norm=layer_norm(cfg, device), target=m.target,
+        kwargs=dict(m.kwargs),
+    ).to(device)  # fmt: skip
+
+
+def batches(cfg: Config, corpus, env):
+    """The sampler: this rank's slice of each step's global batch, drawn from ``(seed, step)``."""
+    from trainer.data import Batches
+
+    t = cfg.train
+    return Batches(corpus, seq_len=cfg.data.seq_len, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                   rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=env.device)  # fmt: skip
+
+
+def backward_context(cfg: Config):
+    """A factory of the context each micro-step's forward and backward run in: compiled autograd, or None."""
+    if not cfg.compile.autograd:
+        return None
+    from trainer.compile.autograd import compiled_autograd
+
+    c = cfg.compile
+    mode = c.mode if c.backend == "inductor" else None
+    options = dict(c.inductor_options) or None
+    return lambda: compiled_autograd(c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph,
+                                     options=options)  # fmt: skip
+
+
+def eager_fallback(raw_model: nn.Module, cfg: Config, env, say):
+    """``compile.fallback``: None (a compile failure stops the run), or for ``eager`` what replaces a model whose
+    compile failed: the same parameters, uncompiled, wrapped again for data parallelism."""
+    if cfg.compile.fallback != "eager":
+        return None
+
+    def fallback(model: nn.Module) -> nn.Module:
+        if hasattr(model, "remove_hooks"):
+            model.remove_hooks()  # the new wrapper registers its own on the same parameters
+        return wrap(uncompiled(raw_model), cfg, env, say=say, compile=False)[0]
+
+    return fallback
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the model's initialisation; data order has its own)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def describe_run(cfg: Config, env, model: nn.Module, corpus, amp_dtype, tokens_per_step: int) -> str:
+    """The startup line that says what trains on what: parameters, data, device, precision, steps, run dir."""
+    n_params = sum(p.numel() for p in model.parameters())
+    ranks = f" x{env.world_size}" if env.distributed else ""
+    return (f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
+            f"{len(corpus.train) / 1e6:.1f}M train tokens; device {env.device}{ranks}, {precision_name(amp_dtype)}; "
+            f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}")  # fmt: skip
+
+
+def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, cfg: Config, env, say):
+    """The :class:`trainer.step.TrainStep` the config describes (``model``: what :func:`wrap` returned)."""
+    from trainer.step import TrainStep
+
+    return TrainStep(
+        model, raw_model, opt, grad_accum=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, scaler=scaler,
+        amp_dtype=amp_dtype(cfg.train.precision, env.device), env=env, graphed=cfg.compile.cudagraphs,
+        skip_non_finite=cfg.train.on_nan == "skip", backward_ctx=backward_context(cfg),
+        fallback=eager_fallback(raw_model, cfg, env, say), say=say,
+    )  # fmt: skip
+
+
+def compile_watcher(cfg: Config, say):
+    """A :class:`trainer.compile.report.CompileWatcher` (graphs, breaks, recompiles, compile time) that warns on a
+    recompile after warm-up, when anything is compiled; else None."""
+    if not (cfg.compile.enabled or cfg.compile.autograd):
+        return None
+    from trainer.compile.report import CompileWatcher
+
+    warn = lambda rec: say(f"[yellow]warning: {rec['message']}[/yellow]")
+    return CompileWatcher(max_recompiles=cfg.compile.max_recompiles, on_recompile=warn).start()
 
 
 def lr_lambda(cfg: Config):
@@ -143,6 +272,11 @@ def amp_dtype(precision: str, device: torch.device):
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def grad_scaler(dtype, device: torch.device):
+    """fp16's gradient scaler (None for other precisions)."""
+    return torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
 
 def precision_name(dtype) -> str:

@@ -268,3 +268,97 @@ def compare_configs(saved: dict, current: dict, path: Path) -> list[str]:
             )
     a, b = _flatten(saved), _flatten(current)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+class Checkpointer:
+    """A run's checkpoints: the model, optimizer, schedule, grad scaler, sampler position and RNG, saved and restored.
+
+    Args:
+        run_dir: the run directory (checkpoints go to ``run_dir/checkpoints``).
+        cfg: the run's config (saved with each checkpoint; a resume compares it with its own).
+        env: the process environment (every rank writes its RNG state; under FSDP its shards).
+        model: the unwrapped model; FSDP-sharded models are saved and loaded through DCP.
+        opt, sched, scaler: the optimizer, the LR scheduler and the fp16 grad scaler (or None).
+        batches: the sampler, whose position is the step.
+    """
+
+    def __init__(self, run_dir: Path, cfg, env, model, opt, sched, scaler, batches):
+        self.root = run_dir / "checkpoints"
+        self.cfg, self.env, self.model, self.opt, self.sched, self.scaler = cfg, env, model, opt, sched, scaler
+        self.batches = batches
+        self.last: Path | None = None  # the newest checkpoint this process wrote
+
+    def save(self, step: int, tokens_seen: int) -> Path:
+        """Write the checkpoint of ``step`` (every rank calls this) and move ``last`` to it."""
+        from trainer.compile.graphed import plain_lrs
+        from trainer.config import to_dict
+        from trainer.distributed.fsdp import is_sharded, save_dcp
+
+        env, sharded = self.env, is_sharded(self.model)
+        optim_state = {"scheduler": self.sched.state_dict()}
+        if not sharded:
+            optim_state["optimizer"] = plain_lrs(self.opt.state_dict())  # a graphed step keeps lr in a tensor
+        if self.scaler is not None:
+            optim_state["scaler"] = self.scaler.state_dict()
+        meta = {"step": step, "tokens_seen": tokens_seen, "sampler": self.batches.state_dict(next_step=step),
+                "world_size": env.world_size, "config": to_dict(self.cfg)}  # fmt: skip
+        if env.is_main and (self.cfg.compile.enabled or self.cfg.compile.autograd):
+            from trainer.compile import cache
+
+            cache.save_artifacts(self.root)
+        self.last = save(
+            self.root, step=step, model_state=None if sharded else self.model.state_dict(), optim_state=optim_state,
+            meta=meta, rng=rng_state(env.device), rank=env.rank, is_main=env.is_main, keep=self.cfg.checkpoint.keep,
+            barrier=torch.distributed.barrier if env.distributed else (lambda: None),
+            write_shards=(lambda path: save_dcp(path, self.model, self.opt)) if sharded else None,
+        )  # fmt: skip
+        return self.last
+
+    def restore(self, spec: str) -> tuple[int, int]:
+        """Load ``resume=spec`` (``last`` or a path) into the run; returns ``(step, tokens_seen)``.
+
+        The schedule follows the current config (its lambdas are not in the checkpoint), so a changed ``optim.lr``
+        or ``train.steps`` takes effect; unchanged, the learning rate continues exactly.
+        """
+        from trainer.config import to_dict
+        from trainer.distributed.fsdp import is_sharded, load_dcp
+
+        path = resolve(spec, self.root.parent)
+        state = load(path, rank=self.env.rank, device=self.env.device)
+        meta = state["meta"]
+        changes = compare_configs(meta.get("config", {}), to_dict(self.cfg), path)
+        if is_sharded(self.model) and state["dcp"] is None:
+            raise CheckpointError(f"checkpoint {path} was written without fsdp (whole tensors in model.pt); resume "
+                                  "it with distributed.strategy=ddp or none")  # fmt: skip
+        try:
+            if state["dcp"] is not None:  # written under FSDP: resharded to this run's world size by DCP
+                load_dcp(state["dcp"], self.model, self.opt)
+            else:
+                self.model.load_state_dict(state["model"])
+                self.opt.load_state_dict(state["optim"]["optimizer"])
+            self.sched.load_state_dict(state["optim"]["scheduler"])
+            if self.scaler is not None and "scaler" in state["optim"]:
+                self.scaler.load_state_dict(state["optim"]["scaler"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {e}") from None
+        lr = self.cfg.optim.lr
+        self.sched.base_lrs = [lr for _ in self.sched.base_lrs]
+        for group, lam in zip(self.opt.param_groups, self.sched.lr_lambdas):
+            group["lr"] = lr * lam(self.sched.last_epoch)
+        if state["rng"] is not None:
+            set_rng_state(state["rng"], self.env.device)
+        # The compile bundle is generated code: loaded only from this run's own directory.
+        cached = (self.cfg.compile.enabled or self.cfg.compile.autograd) and self._load_compile_cache()
+        if self.env.is_main:
+            print(f"resumed from {path} at step {meta['step']}", flush=True)
+            if cached:
+                print("loaded the compile cache saved with the checkpoints", flush=True)
+            for line in changes:
+                if not line.startswith(("run.", "model.kwargs")):
+                    print(f"  changed on resume: {line}", flush=True)
+        return int(meta["step"]), int(meta.get("tokens_seen", 0))
+
+    def _load_compile_cache(self) -> bool:
+        from trainer.compile import cache
+
+        return cache.load_artifacts(self.root)

@@ -64,23 +64,21 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms, as GPT-2."""
     fused_loss: bool | None = None
     """Fused linear + cross-entropy Triton kernel for the head and loss (never materialises the logits);
-    null = on with compile.autograd on a GPU (see scripts/results/notes_compiled_autograd.md) unless
-    model.cross_entropy=triton, else off."""
+    null = on with compile.autograd on a GPU, where it saves compiled autograd's second logits buffer, unless
+    model.cross_entropy=triton; else off."""
     cross_entropy: str = _f("auto", choices=["auto", "torch", "triton"])
     """Built-in GPT, when fused_loss is off: the loss over the (tokens x vocab) logits. torch: F.cross_entropy
     (compiled by Inductor); triton: our kernel writes the logits' gradient over them in the forward (one pass
-    instead of Inductor's two; same memory; +1.9% tok/s on gpt2-small, H100); auto: triton on CUDA unless fp16 or
+    over the logits instead of Inductor's two, same memory); auto: triton on CUDA unless fp16 or
     model.fused_loss is on, else torch."""
     layer_norm: str = _f("auto", choices=["auto", "torch", "triton"])
     """Built-in GPT: torch: nn.LayerNorm and the residual adds, compiled by Inductor; triton: each residual add
-    and the LayerNorm that reads it in one Triton kernel forward and one backward
-    (trainer/compile/kernels/add_layer_norm.py; the sum is saved, not the normalised tensor; one A/B run on gpt2-small,
-    H100: 497K tok/s vs 493K, same memory, first compile 25 s vs 33 s), the weight-gradient sums finished in one
-    launch and, with dropout 0, the attention projection's bias added there (its gradient from the same sums: two
-    A/B runs, 506K/504K vs 499K/500K); auto: triton on CUDA, else torch."""
+    and the LayerNorm that reads it in one Triton kernel forward and one backward (the sum is saved, not the
+    normalised tensor; with dropout 0 the attention projection's bias is added there too); auto: triton on CUDA,
+    else torch."""
     attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
-    with torch 2.11; see scripts/bench_attention.py). Checked on the device at startup."""
+    with torch 2.11; scripts/bench_attention.py times them). Checked on the device at startup."""
     target: str | None = None
     """Your own model as "pkg.module:factory"; the factory returns an nn.Module whose
     forward(idx, targets) returns the loss (or a tuple ending in it)."""
@@ -164,8 +162,9 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class CompileConfig:
-    enabled: bool = False
-    """Compile the training step with torch.compile."""
+    enabled: bool | str = _f("auto", choices=["auto", True, False])
+    """Compile the model with torch.compile: auto = on for CUDA, off on CPU (the startup line says which); true or
+    false."""
     backend: str = "inductor"
     """torch.compile backend: inductor, aot_eager, eager, or any registered backend."""
     mode: str = _f("default", choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
@@ -173,8 +172,8 @@ class CompileConfig:
     inductor_options: dict[str, Any] = _f(factory=dict)
     """Inductor options for the model's compiled graphs, DDP pieces and compiled autograd (torch.compile's options=,
     dotted keys, e.g. {max_autotune: true}), over compile.mode's and the trainer's measured defaults
-    (trainer.compile.capture.DEFAULT_INDUCTOR_OPTIONS: triton.mix_order_reduction=false, +1% tokens/s on gpt2-small
-    on an H100); they win over TORCHINDUCTOR_* environment variables. Not for optim.impl=compiled."""
+    (trainer.compile.capture.DEFAULT_INDUCTOR_OPTIONS); they win over TORCHINDUCTOR_* environment variables. Not for
+    optim.impl=compiled."""
     fullgraph: bool = False
     """Fail on any graph break instead of splitting the graph."""
     dynamic: bool | None = False
@@ -192,10 +191,11 @@ class CompileConfig:
     """Recompiles allowed after warm-up before the run stops with an error."""
     fallback: str = _f("error", choices=["error", "eager"])
     """On a compile failure: stop (error) or log loudly and run eagerly (eager)."""
-    cudagraphs: bool = False
-    """CUDA only: after 3 ordinary steps, capture the whole step (forward, backward, clip, optimizer) as one CUDA
-    graph and replay it (with ddp, the bucket all-reduces too); needs static shapes, optim.impl
-    auto/fused/foreach/triton (adamw or adam), not fsdp."""
+    cudagraphs: bool | str = _f("auto", choices=["auto", True, False])
+    """After 3 ordinary steps, capture the whole step (forward, backward, clipping, optimizer; with ddp the bucket
+    all-reduces too) as one CUDA graph and replay it. auto = on wherever the step allows it: CUDA, compiled, static
+    shapes, adamw or adam with optim.impl auto/fused/foreach/triton, not fsdp, not fp16, not train.on_nan=skip (the
+    startup line says why when it is off); true insists, and a config it cannot apply is an error."""
     cache_dir: str | None = None
     """Compile cache directory; null = inside the run directory."""
 
@@ -208,14 +208,14 @@ class DistributedConfig:
     """Process-group backend: auto = nccl on CUDA, gloo on CPU."""
     bucket_mb: float = _f(100.0, gt=0.0)
     """DDP gradient bucket cap in MiB: whole blocks per bucket up to this size; each bucket is one compiled graph
-    piece (fewer, larger pieces: less host overhead; 100 beat 25 on 2 H200s, see scripts/results/bench_ddp*)."""
+    piece (fewer, larger pieces: less host overhead)."""
     split_tail: bool = True
     """DDP bucket plan: the block ready last before the embeddings is a bucket of its own, so the blocks before
     it are reduced during its backward instead of after it (false: packed like the rest)."""
     fsdp_unit_mb: float = _f(512.0, ge=0.0)
     """FSDP: consecutive blocks share one fully_shard unit (one all-gather, one reduce-scatter) up to this many
     MiB of fp32 parameters; a larger block is a unit of its own; 0: a unit per block. FSDP2's hooks cost host
-    time per unit: a unit per block left GPT-2 124M host-bound on 2 H200s (scripts/results/bench_fsdp_unit*)."""
+    time per unit, so small blocks gain from sharing one."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
@@ -302,7 +302,7 @@ class Config:
                 check_inductor_options(self.compile.backend, dict(self.compile.inductor_options))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        if self.compile.cudagraphs:
+        if self.compile.cudagraphs is True:
             from trainer.compile.graphed import unmet_requirement
 
             problem = unmet_requirement(self)
@@ -537,8 +537,8 @@ def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> No
         if value is None:
             continue
         problem = None
-        if "choices" in f.metadata and value not in f.metadata["choices"]:
-            choices = f.metadata["choices"]
+        if "choices" in f.metadata and not any(value is c or value == c for c in f.metadata["choices"]):
+            choices = [_yaml_value(c) for c in f.metadata["choices"]]
             near = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0]}'?" if near else ""
             problem = f"got {value!r}, expected one of {' | '.join(choices)}{hint}"
@@ -548,6 +548,11 @@ def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> No
             problem = f"got {value}, expected a value >= {f.metadata['ge']}"
         if problem:
             raise ConfigError(_with_origin(f"{key}: {problem}", origin or {}, path))
+
+
+def _yaml_value(value: Any) -> str:
+    """A value as a user writes it in YAML (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def get(cfg: Config, key: str) -> Any:
@@ -582,7 +587,7 @@ def to_yaml(cfg: Config, with_help: bool = False) -> str:
 
 
 def reference_markdown() -> str:
-    """The config reference table (the README embeds it; a test keeps the two in sync)."""
+    """The config reference table (docs/configuration.md embeds it; a test keeps the two in sync)."""
     rows = ["| key | default | description |", "|---|---|---|"]
     defaults = to_dict(Config())
     for key, _, doc, is_section in iter_fields():

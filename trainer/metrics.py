@@ -1,6 +1,7 @@
 """Throughput, MFU and memory, and where they go: the console, metrics.jsonl and TensorBoard.
 
-Only rank 0 creates sinks; other ranks get a :class:`Metrics` whose methods do nothing.
+:class:`StepLog` reads each training step's numbers one step late and makes the records; :class:`Metrics` writes
+them. Only rank 0 creates sinks; other ranks get a :class:`Metrics` whose methods do nothing.
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from trainer.distributed.env import all_reduce_mean
 
 # Dense bf16 peak FLOP/s by device-name substring, first match wins (datasheet numbers).
 # ``log.peak_flops`` overrides this; MFU is absent for devices not listed.
@@ -154,8 +158,8 @@ class Metrics:
                 fields["tps"] = fmt_si(tokens_per_s)
             self._progress.update(self._task, completed=step, **fields)
 
-    def log(self, record: dict[str, Any], *, echo: bool = True) -> None:
-        """Append one record (it must hold ``step``) to every sink."""
+    def log(self, record: dict[str, Any], *, echo: bool = True, compiled: bool = False) -> None:
+        """Append one record (it must hold ``step``) to every sink; ``compiled``: the first step was the compile."""
         if not self.enabled:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
@@ -165,7 +169,7 @@ class Metrics:
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(f"train/{k}" if not k.startswith("val") else k, v, record["step"])
         if echo:
-            self.print(summary_line(record))
+            self.print(summary_line(record, compiled))
 
     def close(self) -> None:
         if self._progress is not None:
@@ -187,6 +191,7 @@ def format_fields(record: dict[str, Any], fields: list[tuple[str, str]]) -> str:
 # The console line of a metrics record.
 LINE_FIELDS = [
     ("step", "step {:>6}"),
+    ("first_step", "{}"),
     ("loss", "loss {:.4f}"),
     ("val_loss", "val_loss {:.4f}"),
     ("lr", "lr {:.2e}"),
@@ -198,12 +203,126 @@ LINE_FIELDS = [
 ]
 
 
-def summary_line(r: dict[str, Any]) -> str:
+def summary_line(r: dict[str, Any], compiled: bool = False) -> str:
+    """The console line of a record; a run's first step says how long it took (the compile, when compiled)."""
     shown = dict(r)
-    if r.get("step_time") is not None:
+    if r.get("first_step_s") is not None:  # its time is the compile's, or the first step's: no step time
+        shown["first_step"] = f"{'compiled in' if compiled else 'first step'} {r['first_step_s']:.1f} s"
+    elif r.get("step_time") is not None:
         shown["step_time_ms"] = r["step_time"] * 1e3
     if r.get("mfu") is not None:
         shown["mfu_pct"] = r["mfu"] * 100
     if r.get("tokens_per_s") is not None:
         shown["tokens_per_s"] = fmt_si(r["tokens_per_s"])
     return format_fields(shown, LINE_FIELDS)
+
+
+def copy_to_host(*values):
+    """Start copying scalar tensors to the host; returns a function that waits for them alone and gives floats.
+
+    ``tensor.item()`` would queue its copy behind everything launched since, so reading step k's loss after
+    launching step k+1 would wait for step k+1 and leave the GPU idle while the host prepares step k+2. A
+    non-blocking copy into pinned memory plus an event waits only for step k's own numbers.
+    """
+    present = [v for v in values if isinstance(v, torch.Tensor)]
+    if not present or present[0].device.type != "cuda":
+        return lambda: [float(v) if v is not None else None for v in values]
+    host = torch.empty(len(present), dtype=torch.float32, pin_memory=True)
+    host.copy_(torch.stack([v.detach().float().reshape(()) for v in present]), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list[float | None]:
+        done.synchronize()
+        it = iter(host.tolist())
+        return [next(it) if isinstance(v, torch.Tensor) else (float(v) if v is not None else None) for v in values]
+
+    return read
+
+
+class StepLog:
+    """Each training step's loss and gradient norm, read one step late, into records for :class:`Metrics`.
+
+    :meth:`launched` queues a step and reads the one before it: by then the GPU has the new step queued, so the
+    wait (for that step alone, :func:`copy_to_host`) never leaves it idle. :meth:`read` reads the queued step at
+    once (before an evaluation or a checkpoint reads the state, and on the first step, whose time is the
+    compile). Every read step moves the progress bar and, unless its update was skipped, goes through
+    ``check(step, loss, first)`` (a NaN loss, recompiles); the first step, every ``log_every``-th, the last and
+    forced reads become records.
+
+    Args:
+        metrics: where records go.
+        env: the process environment (the logged loss is the mean over ranks, a collective: every rank reads).
+        start_step: the step this process starts after (non-zero on resume).
+        last_step: ``train.steps``.
+        log_every: ``log.every``.
+        tokens_per_step: tokens of one step's global batch.
+        flops_per_token: training FLOPs per token, for MFU.
+        peak_flops: the device's peak FLOP/s (None: no MFU).
+        compiled: the first step includes the compile (its line says so).
+        check: ``check(step, loss, first)`` raises to stop the run.
+    """
+
+    def __init__(self, metrics: Metrics, *, env, start_step: int, last_step: int, log_every: int,
+                 tokens_per_step: int, flops_per_token: float, peak_flops: float | None, compiled: bool,
+                 check: Callable[[int, float, bool], None]):  # fmt: skip
+        self.metrics, self.env, self.start_step, self.last_step = metrics, env, start_step, last_step
+        self.log_every, self.tokens_per_step, self.compiled, self.check = log_every, tokens_per_step, compiled, check
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.timer = StepTimer()
+        self.pending: dict[str, Any] | None = None
+        self.last: dict[str, Any] = {}  # the newest record written
+
+    def launched(self, step: int, out, lr: float, tokens: int) -> None:
+        """Queue step ``step`` (``out``: its :class:`~trainer.step.StepOutput`, numbers still on the device) and
+        write the record of the one before it."""
+        self.write(self.read())
+        read = copy_to_host(out.loss, out.grad_norm)  # started now, waited for at the read
+        self.pending = {"step": step, "loss": out.loss, "read": read, "lr": lr, "tokens": tokens, "out": out}
+
+    def reads_at_once(self, step: int) -> bool:
+        """Whether ``step`` is read as soon as it is queued: the first (its time is the compile), and every step on
+        the CPU, where every op runs before the host moves on (reading one step late gains nothing)."""
+        return step == self.start_step + 1 or self.env.device.type != "cuda"
+
+    def read(self, force: bool = False) -> dict[str, Any] | None:
+        """Read the queued step; returns its record when it is logged (or ``force``), else None."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return None
+        step, first = p["step"], p["step"] == self.start_step + 1
+        loss, grad_norm = p["read"]()  # waits for this step's two numbers only, not for the queued next step
+        self.timer.tick(self.tokens_per_step, first=first)
+        if p["out"].skipped:  # not finite, and not applied: train.on_nan=skip
+            self.metrics.print(f"[yellow]step {step}: non-finite loss or gradient norm; update skipped[/yellow]")
+        else:
+            self.check(step, loss, first)
+        self.metrics.advance(step, loss, self.timer.last_tps)
+        if not (force or first or step % self.log_every == 0 or step == self.last_step):
+            return None
+        tps, step_time = self.timer.read()
+        distributed = self.env.distributed
+        record = {"step": step, "loss": all_reduce_mean(p["loss"], self.env).item() if distributed else loss,
+                  "lr": p["lr"], "grad_norm": grad_norm, "tokens_per_s": None if first else tps,
+                  "step_time": step_time, "tokens": p["tokens"]}  # fmt: skip
+        if first:
+            record["first_step_s"] = step_time
+        elif self.peak_flops is not None:
+            record["mfu"] = self.flops_per_token * tps / self.env.world_size / self.peak_flops
+        if self.env.device.type == "cuda":
+            record["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.env.device) / 1e9
+        return record
+
+    def write(self, record: dict[str, Any] | None) -> None:
+        """Write a record from :meth:`read` (with anything added to it, such as ``val_loss``); None: nothing."""
+        if record is not None:
+            self.metrics.log(record, compiled=self.compiled)
+            self.last.update(record)
+
+    def summary(self, **extra) -> dict[str, Any]:
+        """The run's summary: the last record's values, the timing over the run, ``extra``."""
+        out = {**self.last, "first_step_s": self.timer.first_step_s, "mean_tokens_per_s": self.timer.mean_tps,
+               "median_step_s": self.timer.median_step_s, **extra}  # fmt: skip
+        if self.env.device.type == "cuda":
+            out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.env.device) / 1e9
+        return out

@@ -38,19 +38,19 @@ Not supported (refused by the config): fp16 with a grad scaler (its skip-step lo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 
-def unmet_requirement(cfg) -> str | None:
-    """What a config (:class:`trainer.config.Config`) lacks for ``compile.cudagraphs``, as an error message; None
-    if nothing."""
+def _requirements(cfg) -> list[tuple[bool, str, str]]:
+    """``(unmet, key, what it needs)`` for each thing the graphed step needs of a config."""
     from trainer.compile.capture import inductor_options
 
     c, d = cfg.compile, cfg.distributed
     inductor_graphs = bool(inductor_options(c.mode, dict(c.inductor_options)).get("triton.cudagraphs"))
-    bad = [
+    return [
         (d.strategy == "fsdp", "distributed.strategy", "none or ddp (FSDP2's hooks run Python)"),
         (
             d.strategy == "ddp" and d.backend == "gloo",
@@ -70,7 +70,25 @@ def unmet_requirement(cfg) -> str | None:
         ),
         (cfg.optim.name == "sgd", "optim.name", "adamw or adam (torch's SGD has no capturable mode)"),
     ]
-    return next((f"compile.cudagraphs: needs {key}={expected}" for is_bad, key, expected in bad if is_bad), None)
+
+
+def unmet_requirement(cfg) -> str | None:
+    """What a config (:class:`trainer.config.Config`) lacks for ``compile.cudagraphs=true``, as an error message;
+    None if nothing."""
+    return next((f"compile.cudagraphs: needs {key}={needs}" for unmet, key, needs in _requirements(cfg) if unmet), None)
+
+
+def blocker(cfg) -> str | None:
+    """Why ``compile.cudagraphs=auto`` leaves the graphed step off for a config, in a few words; None if nothing
+    does (the device aside)."""
+    if cfg.compile.enabled is not True:
+        return "compile.enabled=false"
+    unmet = next(((key, needs) for bad, key, needs in _requirements(cfg) if bad), None)
+    if unmet is None:
+        return None
+    key, needs = unmet
+    value = functools.reduce(getattr, key.split("."), cfg)
+    return f"{key}={str(value).lower() if isinstance(value, bool) else value} (needs {needs})"
 
 
 def make_capturable(opt: torch.optim.Optimizer) -> None:

@@ -186,6 +186,7 @@ class CompileWatcher:
         self.warm = False
         self.active = False
         self._expected = 0
+        self._expected_once: set[str] = set()
         self._compiles: list[dict[str, Any]] = []
         self._breaks: dict[tuple, dict[str, Any]] = {}
         self._recompiles: list[dict[str, Any]] = []
@@ -214,17 +215,19 @@ class CompileWatcher:
         self.active = True
         return self
 
-    def stop(self) -> None:
-        """Collect what is left and restore the loggers. Raises nothing: the limit is ``check``'s job."""
-        if not self.active:
-            return
-        import torch._dynamo
+    def stop(self, report: str | os.PathLike | None = None) -> None:
+        """Collect what is left and restore the loggers; write the report to ``report`` if given. Raises nothing:
+        the limit is ``check``'s job."""
+        if self.active:
+            import torch._dynamo
 
-        self._collect()
-        self._breaks_capture.detach()
-        with contextlib.suppress(ValueError):  # already dropped by torch._dynamo.reset()
-            torch._dynamo.callback_handler.remove_start_callback(self._on_compile_start)
-        self.active = False
+            self._collect()
+            self._breaks_capture.detach()
+            with contextlib.suppress(ValueError):  # already dropped by torch._dynamo.reset()
+                torch._dynamo.callback_handler.remove_start_callback(self._on_compile_start)
+            self.active = False
+        if report is not None:
+            self.write(report)
 
     def __enter__(self) -> CompileWatcher:
         return self.start()
@@ -260,6 +263,22 @@ class CompileWatcher:
         finally:
             self._collect()
             self._expected -= 1
+
+    def after_step(self, step: int, first: bool) -> None:
+        """Call when a training step is done: the first one ends the warm-up (:meth:`mark_warm`), later ones
+        :meth:`check` the recompile limit."""
+        if first:
+            self.mark_warm()
+        else:
+            self.check(step)
+
+    def expect_first(self, what: str):
+        """:meth:`expect_compiles` the first time for ``what`` (the first evaluation compiles its eval graph), else
+        nothing."""
+        if what in self._expected_once:
+            return contextlib.nullcontext()
+        self._expected_once.add(what)
+        return self.expect_compiles()
 
     @property
     def recompiles_after_warmup(self) -> int:

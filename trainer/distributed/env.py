@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -88,3 +89,34 @@ def any_rank(flag: bool, env: DistEnv) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the run to stop: it finishes the step, saves a checkpoint and exits cleanly (a second
+    SIGINT aborts at once). A context manager around the run; :meth:`on_any_rank` tells whether any rank got one."""
+
+    def __init__(self):
+        self.requested = False
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
+        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint{again}", flush=True)
+
+    def __enter__(self) -> StopSignals:
+        try:
+            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: leave signals alone
+            self._old = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def on_any_rank(self, env: DistEnv) -> bool:
+        """Whether a stop was asked for on any rank (a collective under torchrun: every rank must call it)."""
+        return any_rank(self.requested, env)
