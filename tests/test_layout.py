@@ -87,7 +87,8 @@ def test_kernels_import_only_from_the_layers_above():
         for target in graph[prefix + name]:
             if target.startswith(prefix):
                 other = target.removeprefix(prefix)
-                assert KERNEL_LAYERS[other] <= KERNEL_LAYERS[name], f"{name} (layer {KERNEL_LAYERS[name]}) imports {other}"
+                layer = KERNEL_LAYERS[name]
+                assert KERNEL_LAYERS[other] <= layer, f"{name} (layer {layer}) imports {other}"
 
 
 def test_the_fit_loop_reads_top_to_bottom():
