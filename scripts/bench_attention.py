@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--backends", default="flash,cudnn,efficient")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--out", default=str(ROOT / "scripts/results/bench_attention.json"))
+    p.add_argument("--out", default=str(ROOT / "scripts/results/bench_attention/result.json"))
     a = p.parse_args()
 
     import torch
@@ -124,6 +124,7 @@ def main() -> None:
                 f"{row['fwd_tflops']:.0f} | {row['fwd_bwd_tflops']:.0f} | {row['fwd_bwd_tflops'] * 1e12 / peak:.1%} | "
                 f"{'' if diff is None else f'{diff:.2e}'} |"
             )
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(result, indent=1))
     print("\n".join(lines), flush=True)
 

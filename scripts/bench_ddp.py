@@ -55,16 +55,16 @@ SPEC_PEAK = 989e12  # H100/H200 SXM dense bf16
 # compare: every variant trains the same model on the same batches with the same hyperparameters.
 SAME_AS_USER = ["seed=0", "schedule.warmup_steps=0", "schedule.decay=constant"]
 
+_COMPILED = ["compile.enabled=true"]
 VARIANTS = {
     "eager-ddp": {"kind": "user", "wrap": "ddp", "compile": False},
     "ddpoptimizer": {"kind": "user", "wrap": "ddp", "compile": True},
     "nosplit": {"kind": "user", "wrap": "ddp", "compile": True, "optimize_ddp": False},
     "fsdp-eager": {"kind": "user", "wrap": "fsdp", "compile": False},
-    "ours-ddp": {"kind": "ours", "overrides": ["distributed.strategy=ddp", "compile.enabled=true"]},
-    "ours-ddp-ca": {"kind": "ours",
-                    "overrides": ["distributed.strategy=ddp", "compile.enabled=true", "compile.autograd=true"]},
+    "ours-ddp": {"kind": "ours", "overrides": ["distributed.strategy=ddp", *_COMPILED, "compile.cudagraphs=false"]},
+    "ours-ddp-ca": {"kind": "ours", "overrides": ["distributed.strategy=ddp", *_COMPILED, "compile.autograd=true"]},
     "ours-ddp-graphed": {"kind": "ours",
-                         "overrides": ["distributed.strategy=ddp", "compile.enabled=true", "compile.cudagraphs=true"]},
+                         "overrides": ["distributed.strategy=ddp", *_COMPILED, "compile.cudagraphs=true"]},
     "ours-fsdp": {"kind": "ours", "overrides": ["distributed.strategy=fsdp", "compile.enabled=true"]},
 }  # fmt: skip
 
@@ -284,7 +284,7 @@ def main() -> None:
     p.add_argument("--extra", action="append", default=[], help="extra trainer overrides for 'ours' variants")
     p.add_argument(
         "--out",
-        default=str(ROOT / "scripts/results/bench_ddp_{preset}.json"),
+        default=str(ROOT / "scripts/results/bench_ddp/{preset}.json"),
         help="JSON per preset ('{preset}' is replaced), rewritten after every job",
     )
     p.add_argument("--worker", help=argparse.SUPPRESS)

@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,13 +40,15 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=None, help="rows per chunk for 'fused' (default: the op's)")
     p.add_argument("--no-sweep", action="store_true", help="skip the chunk-size and kernel-config sweeps")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default scripts/results/bench_fused_loss.json)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON output (default scripts/results/bench_fused_loss/result.json)"
+    )
     args = p.parse_args()
     if args.cpu_smoke:
         args.n, args.c, args.v = 512, 32, 1000
-    if args.out is None:
-        name = "bench_fused_loss_cpu_smoke.json" if args.cpu_smoke else "bench_fused_loss.json"
-        args.out = REPO / "scripts" / "results" / name
+    if args.out is None:  # a smoke run times nothing worth keeping
+        smoke = Path(tempfile.gettempdir()) / "bench_fused_loss_cpu_smoke.json"
+        args.out = smoke if args.cpu_smoke else REPO / "scripts" / "results" / "bench_fused_loss" / "result.json"
     return args
 
 

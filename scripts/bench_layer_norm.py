@@ -11,7 +11,7 @@ forward and backward separately:
 Floor: bytes over the copy bandwidth measured in the same run (forward: read x and inc, write s and y, 12 bytes an
 element; backward: read dy, s and ds, write dx and dinc, 16 bytes an element).
 
-    python scripts/bench_layer_norm.py --out scripts/results/bench_layer_norm_h100.json
+    python scripts/bench_layer_norm.py            # writes scripts/results/bench_layer_norm/result.json
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=16 * 1024)
     p.add_argument("--cols", type=int, default=768)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(ROOT / "scripts/results/bench_layer_norm/result.json"))
     a = p.parse_args()
     n, c = a.rows, a.cols
     torch.manual_seed(0)
@@ -118,6 +118,7 @@ def main() -> None:
     for name, (f_ms, b_ms) in results["variants"].items():
         print(f"| {name} | {f_ms * 1e3:.1f} | {f_ms / floor_fwd:.2f} | {b_ms * 1e3:.1f} | {b_ms / floor_bwd:.2f} |")
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(results, indent=1))
 
 

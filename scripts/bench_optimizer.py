@@ -205,7 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
     parser.add_argument("--backend", default=None, help="torch.compile backend (inductor; aot_eager for --cpu-smoke)")
-    parser.add_argument("--out", default=str(ROOT / "scripts/results/bench_optimizer.json"))
+    parser.add_argument("--out", default=str(ROOT / "scripts/results/bench_optimizer/result.json"))
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU; checks the script, times nothing")
     parser.add_argument("--warm-caches", action="store_true", help="keep the default compile caches (warm first calls)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the BLOCK_SIZE x num_warps sweep")

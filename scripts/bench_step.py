@@ -1,10 +1,9 @@
 """Training-step benchmark on one GPU: eager, plain torch.compile, and ours, same model, batch and dtype.
 
-    python scripts/bench_step.py                      # gpt2-small, B=16, T=1024, bf16
-    python scripts/bench_step.py --preset gpt2-medium --batch 8
-    python scripts/bench_step.py --variants eager,torch.compile,ours-model
-    python scripts/bench_step.py --variants torch.compile,ours-model,ours-model@compile.mode=max-autotune-no-cudagraphs
-    python scripts/bench_step.py --variants ours-model,ours-model@env:TORCHINDUCTOR_MIX_ORDER_REDUCTION=0
+    python scripts/bench_step.py                      # gpt2-small and gpt2-medium, B=16, T=1024, bf16
+    python scripts/bench_step.py --preset gpt2-small --variants eager,torch.compile,ours,ours-model
+    python scripts/bench_step.py --variants torch.compile,ours,ours@compile.mode=max-autotune-no-cudagraphs
+    python scripts/bench_step.py --variants ours,ours@env:TORCHINDUCTOR_MIX_ORDER_REDUCTION=0
 
 Each variant runs in its own process (so compile caches, Dynamo state and the CUDA allocator
 start clean) and reports tokens/s (over the timed steps; see Timing), MFU against the 989 TFLOP/s
@@ -14,8 +13,9 @@ cache directory and once more with the one the first run filled. ``BENCH_TRACE=d
 variant's GPU timeline there (timings then include the profiler); ``scripts/trace_gaps.py`` reads it.
 
 Baselines are written as a user writes them: ``torch.compile(model)`` (or not), fused AdamW,
-``clip_grad_norm_``, bf16 autocast, batches from the same data loader. "Ours" is ``trainer fit``
-(the Trainer) with the named compile settings.
+``clip_grad_norm_``, bf16 autocast, batches from the same data loader. "ours" is ``trainer fit`` (the Trainer)
+as shipped for the GPU (``compile.enabled`` and ``compile.cudagraphs`` left at ``auto``: compiled, the whole step
+one CUDA graph); ``ours-*`` variants name other settings. Several presets share one JSON (``--out``).
 
 Timing: the baselines' timed steps run back to back with one wait at the end (the GPU's step time, no
 host sync between steps); ``torch.compile-synced`` times each step to a ``torch.cuda.synchronize()`` as
@@ -39,14 +39,14 @@ sys.path.insert(0, str(ROOT))
 
 SPEC_PEAK = 989e12  # H100/H200 SXM dense bf16
 
-_ON = ["compile.enabled=true"]
+_ON = ["compile.enabled=true", "compile.cudagraphs=false"]  # compiled, not graphed
 VARIANTS = {
     "eager": {"kind": "user", "compile": False},
     "torch.compile": {"kind": "user", "compile": True},
     "torch.compile-synced": {"kind": "user", "compile": True, "synced": True},
+    "ours": {"kind": "ours", "overrides": []},  # as shipped: the defaults' fast path
     "ours-model": {"kind": "ours", "overrides": [*_ON, "compile.scope=model"]},
     "ours-model-fused": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "optim.impl=fused"]},
-    "ours-model-graphed": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "compile.cudagraphs=true"]},
     "ours-model-ca": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "compile.autograd=true"]},
     "ours-blocks": {"kind": "ours", "overrides": [*_ON, "compile.scope=blocks"]},
     "ours-blocks-ca": {"kind": "ours", "overrides": [*_ON, "compile.scope=blocks", "compile.autograd=true"]},
@@ -214,15 +214,15 @@ def _spawn(a, variant: str, cache_dir: str, trace_dir: str | None = None) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="gpt2-small")
+    p.add_argument("--preset", default="gpt2-small,gpt2-medium", help="built-in GPT sizes, comma-separated")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile happens in step 1)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--warm-cache", default="ours-model", help="variants to rerun with a warm compile cache")
+    p.add_argument("--variants", default="eager,torch.compile,ours", help="known: " + ", ".join(VARIANTS))
+    p.add_argument("--warm-cache", default="", help="variants to rerun with a warm compile cache, e.g. ours")
     p.add_argument("--extra", action="append", default=[], help="extra trainer overrides for 'ours' variants")
-    p.add_argument("--out", default=str(ROOT / "scripts/results/bench_step.json"))
+    p.add_argument("--out", default=str(ROOT / "scripts/results/bench_step/result.json"))
     p.add_argument("--trace", metavar="DIR", help="then rerun every variant (warm cache) with its GPU timeline "
                    "written to DIR and print scripts/trace_gaps.py's breakdown (not in the table)")  # fmt: skip
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -238,62 +238,65 @@ def main() -> None:
     for v in variants:
         _spec(v)
     peak = matmul_peak()
-    results = {}
-    caches = {}
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    doc = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_sha": sha.strip(),
-        "preset": a.preset,
-        "batch": a.batch,
-        "seq_len": a.seq,
-        "matmul_peak_tflops": peak / 1e12,
-        "results": results,
-    }
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "git_sha": sha.strip(), "batch": a.batch, "seq_len": a.seq, "steps": a.steps, "warmup": a.warmup,
+           "matmul_peak_tflops": peak / 1e12, "models": {}}  # fmt: skip
 
-    def record(name: str, r: dict) -> None:
+    def record(results: dict, name: str, r: dict) -> None:
         """Keep a result and rewrite the JSON: a run cut short keeps what finished."""
         if "tokens_per_s" in r:
             flops = r["flops_per_token"] * r["tokens_per_s"]
             r["mfu_spec"] = flops / SPEC_PEAK
             r["mfu_measured_peak"] = flops / peak
         results[name] = r
-        print(f"{name}: {r}", flush=True)
+        print(f"{a.preset} {name}: {r}", flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1))
 
-    for v in variants:
-        caches[v] = tempfile.mkdtemp(prefix="cache_")
-        record(v, _spawn(a, v, caches[v]))
-    for v in filter(None, a.warm_cache.split(",")):
-        if v in caches:
-            record(v + " (warm cache)", _spawn(a, v, caches[v]))
-    if a.trace:
-        from scripts.trace_gaps import analyse
-
-        os.makedirs(a.trace, exist_ok=True)
+    for preset in a.preset.split(","):
+        a.preset, results, caches = preset, {}, {}
+        doc["models"][preset] = {"results": results}
         for v in variants:
-            r = _spawn(a, v, caches[v], trace_dir=a.trace)
-            path = _trace_path(a.trace, v)
-            print(f"[traced] {v}: {r.get('tokens_per_s', 0) / 1e3:.0f}K tok/s under the profiler", flush=True)
-            if os.path.exists(path):
-                print(analyse(path, steps=3, step_kernel="adam"), flush=True)
-    base = results.get("torch.compile", {}).get("tokens_per_s")
-    print(f"\n{doc['gpu']}, torch {doc['torch']}, {a.preset} B={a.batch} T={a.seq} bf16; "
-          f"bf16 matmul peak measured {peak / 1e12:.0f} TFLOP/s; git {doc['git_sha']}")  # fmt: skip
-    print(
-        "| variant | tokens/s | vs torch.compile | MFU (989 spec) | MFU (measured peak) | peak mem GB | first step s |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for v, r in results.items():
-        if "tokens_per_s" not in r:
-            print(f"| {v} | failed | | | | | |")
-            continue
-        ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
-        print(f"| {v} | {r['tokens_per_s'] / 1e3:.0f}K | {ratio} | {r['mfu_spec'] * 100:.1f}% | "
-              f"{r['mfu_measured_peak'] * 100:.1f}% | {r['peak_mem_gb']:.1f} | {r['first_step_s']:.1f} |")  # fmt: skip
+            caches[v] = tempfile.mkdtemp(prefix="cache_")
+            record(results, v, _spawn(a, v, caches[v]))
+        for v in filter(None, a.warm_cache.split(",")):
+            if v in caches:
+                record(results, v + " (warm cache)", _spawn(a, v, caches[v]))
+        if a.trace:
+            _trace(a, variants, caches)
+    print(table(doc))
+
+
+def _trace(a, variants: list[str], caches: dict) -> None:
+    from scripts.trace_gaps import analyse
+
+    os.makedirs(a.trace, exist_ok=True)
+    for v in variants:
+        r = _spawn(a, v, caches[v], trace_dir=a.trace)
+        path = _trace_path(a.trace, v)
+        print(f"[traced] {v}: {r.get('tokens_per_s', 0) / 1e3:.0f}K tok/s under the profiler", flush=True)
+        if os.path.exists(path):
+            print(analyse(path, steps=3, step_kernel="adam"), flush=True)
+
+
+def table(doc: dict) -> str:
+    """The results as a Markdown table, one row per model and variant, ratios against torch.compile."""
+    lines = [f"\n{doc['gpu']}, torch {doc['torch']}, B={doc['batch']} T={doc['seq_len']} bf16; bf16 matmul peak "
+             f"measured {doc['matmul_peak_tflops']:.0f} TFLOP/s; git {doc['git_sha']}",
+             "| model | variant | tokens/s | vs torch.compile | MFU (989 spec) | MFU (measured peak) | peak mem GB "
+             "| first step s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for preset, m in doc["models"].items():
+        base = m["results"].get("torch.compile", {}).get("tokens_per_s")
+        for v, r in m["results"].items():
+            if "tokens_per_s" not in r:
+                lines.append(f"| {preset} | {v} | failed | | | | | |")
+                continue
+            ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+            mfu = f"{r['mfu_spec'] * 100:.1f}% | {r['mfu_measured_peak'] * 100:.1f}%"
+            lines.append(f"| {preset} | {v} | {r['tokens_per_s'] / 1e3:.0f}K | {ratio} | {mfu} | "
+                         f"{r['peak_mem_gb']:.1f} | {r['first_step_s']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Loss-curve parity: the trainer against the loop a user writes, step by step, same seed, data and model.
 
+    python scripts/parity.py                       # gpt2-small on the GPU: the shipped path against the user loop
     python scripts/parity.py --device cpu --preset tiny --batch 4 --seq 128 --steps 12
-    python scripts/parity.py --variants "compile.enabled=false;compile.enabled=true compile.cudagraphs=true"
+    python scripts/parity.py --variants "default;compile.enabled=false"
 
-The user loop is the benchmarks' (``scripts/_user_loop.py``). Each trainer variant is a
-space-separated list of overrides on top of the same settings; its per-step losses come from its
-metrics.jsonl. Prints both curves and the largest gap over the steps; exits 1 when a gap exceeds
-``--tol`` (bf16 runs drift by rounding; a systematic gap is a bug, not rounding).
+The user loop is the benchmarks' (``scripts/_user_loop.py``). Each trainer variant is a space-separated list
+of overrides on top of the same settings (``default``: none, the path a run takes as shipped); its per-step
+losses come from its metrics.jsonl. Prints both curves and the largest gap over the steps; exits 1 when a gap
+exceeds ``--tol`` (bf16 runs drift by rounding; a systematic gap is a bug, not rounding).
 """
 
 from __future__ import annotations
@@ -59,16 +60,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--user-compile", action="store_true", help="torch.compile the user's model")
-    p.add_argument("--variants", default="compile.enabled=false", help="';'-separated override lists")
+    p.add_argument("--variants", default="default", help="';'-separated override lists ('default': none)")
     p.add_argument("--tol", type=float, default=0.1, help="largest allowed per-step loss gap")
-    p.add_argument("--out", help="write the curves here (JSON)")
+    p.add_argument("--out", default=str(ROOT / "scripts/results/parity/result.json"), help="the curves (JSON)")
     a = p.parse_args()
 
     ref = user_losses(a)
     result = {"user": ref, "variants": {}}
     worst = 0.0
     for variant in [v.strip() for v in a.variants.split(";") if v.strip()]:
-        got = trainer_losses(a, variant.split())
+        got = trainer_losses(a, [] if variant == "default" else variant.split())
         gaps = [abs(g - r) for g, r in zip(got, ref, strict=True)]
         result["variants"][variant] = got
         worst = max(worst, max(gaps))
@@ -76,8 +77,8 @@ def main() -> None:
         print("step  user      trainer   gap")
         for i, (r, g) in enumerate(zip(ref, got, strict=True)):
             print(f"{i + 1:4d}  {r:8.4f}  {g:8.4f}  {g - r:+.4f}")
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
     sys.exit(1 if worst > a.tol else 0)
 
 
