@@ -304,13 +304,14 @@ def main() -> None:
     n_gpus = torch.cuda.device_count() if a.device == "cuda" else 0
     if n_gpus and max(worlds) > n_gpus:
         raise SystemExit(f"--worlds: {max(worlds)} processes need {max(worlds)} GPUs; this machine has {n_gpus}")
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    from scripts._meta import git_sha
+
     docs = {
         preset: {
             "gpu": torch.cuda.get_device_name() if n_gpus else "cpu",
             "gpus": n_gpus,
             "torch": torch.__version__,
-            "git_sha": sha.strip(),
+            "git_sha": git_sha(),
             "preset": preset,
             "batch_per_gpu": a.batch,
             "seq_len": a.seq,

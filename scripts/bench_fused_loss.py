@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +61,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(REPO))
+from scripts import _meta  # noqa: E402
 from trainer.compile.kernels import linear_cross_entropy as lce  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu_smoke else "cuda"
@@ -107,15 +107,6 @@ def _matmul_tflops() -> float:
     b = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
     ms = _bench(lambda: a @ b, [])
     return 2 * size**3 / (ms * 1e-3) / 1e12
-
-
-def _git_sha() -> str | None:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def _eager_loss(x, w, t):
@@ -218,7 +209,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke, Triton interpreted)",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "git_sha": _git_sha(),
+        "git_sha": _meta.git_sha(),
         "shape": {"N": n, "C": c, "V": v, "default_chunk_size": chunk},
         "dtype": "bf16 autocast, fp32 x and weight",
         "matmul_bf16_tflops": tflops,

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,8 @@ if "--cpu-smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+
+from scripts import _meta  # noqa: E402
 
 LR, BETAS, WD, EPS = 6e-4, (0.9, 0.95), 0.1, 1e-8
 ROWS = [
@@ -192,15 +193,6 @@ def sweep_adamw_kernel(n, device, smoke):
     return out
 
 
-def git_sha() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
-        return sha + ("-dirty" if dirty.strip() else "")
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
@@ -268,7 +260,7 @@ def main() -> None:
         else "cpu (smoke run: times mean nothing)",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "git_sha": git_sha(),
+        "git_sha": _meta.git_sha(),
         "n_tensors": len(shapes),
         "n_params": n_params,
         "copy_bandwidth_GBps": bandwidth / 1e9,

@@ -238,9 +238,10 @@ def main() -> None:
     for v in variants:
         _spec(v)
     peak = matmul_peak()
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    from scripts._meta import git_sha
+
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "git_sha": sha.strip(), "batch": a.batch, "seq_len": a.seq, "steps": a.steps, "warmup": a.warmup,
+           "git_sha": git_sha(), "batch": a.batch, "seq_len": a.seq, "steps": a.steps, "warmup": a.warmup,
            "matmul_peak_tflops": peak / 1e12, "models": {}}  # fmt: skip
 
     def record(results: dict, name: str, r: dict) -> None:

@@ -34,6 +34,8 @@ def resolve_auto(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
         c.cudagraphs = device.type == "cuda" and reason is None
         state = "on" if c.cudagraphs else f"off, {reason}" if reason else f"off on {device.type}"
         why.append(f"compile.cudagraphs=auto: {state}")
+    elif c.cudagraphs and device.type != "cuda":
+        why.append(f"compile.cudagraphs=true has no effect on {device.type}")
     return cfg, why
 
 
