@@ -151,8 +151,8 @@ def _kernel_sweep(n_cols: int, rows: int) -> list[dict]:
     targets = torch.randint(0, n_cols, (rows,), device=DEVICE)
     loss = torch.empty(rows, device=DEVICE)
     results = []
-    # A 65536-wide single tile that read the row once measured 4.4 ms against 1.5 ms (register spills;
-    # scripts/results/bench_fused_loss.json) and was removed.
+    # A 65536-wide single tile that read the row once measured 4.4 ms against 1.5 ms (register spills)
+    # and was removed.
     configs = ((8192, 16384, 32768), (8, 16, 32)) if DEVICE == "cuda" else ((256, 1024), (4,))
     for block_size in configs[0]:
         for num_warps in configs[1]:

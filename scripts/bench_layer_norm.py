@@ -24,11 +24,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts import _meta  # noqa: E402
 from trainer.compile.kernels import add_layer_norm as aln  # noqa: E402
 
 
@@ -82,8 +84,9 @@ def main() -> None:
     def ours(x, inc, w, b):
         return aln.add_layer_norm(x, inc, w, b)
 
-    results = {"rows": n, "cols": c, "copy_bandwidth_gbs": bw / 1e9, "floor_fwd_ms": floor_fwd,
-               "floor_bwd_ms": floor_bwd, "variants": {}}  # fmt: skip
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "git_sha": _meta.git_sha(), "rows": n, "cols": c, "copy_bandwidth_gbs": bw / 1e9,
+               "floor_fwd_ms": floor_fwd, "floor_bwd_ms": floor_bwd, "variants": {}}  # fmt: skip
     with torch.autocast("cuda", dtype=torch.bfloat16):
         results["variants"]["inductor"] = timed(compiled)
         results["variants"]["ours"] = timed(ours)

@@ -1,7 +1,7 @@
 """Scaling table and plot from one or more ``bench_ddp.py`` JSON files (merged by variant and world size).
 
-python scripts/plot_scaling.py scripts/results/bench_ddp_x4_w*.json -o scripts/results/scaling_x4.png
-python scripts/plot_scaling.py scripts/results/bench_ddp_x8_gpt2_medium_*.json -o m.png --variants ours-ddp,eager-ddp
+python scripts/plot_scaling.py scripts/results/bench_ddp/gpt2-small.json -o scaling.png
+python scripts/plot_scaling.py a.json b.json -o scaling.png --variants ours-ddp,eager-ddp
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Trainer(load_config("configs/tiny.yaml", ["train.steps=100"])).fit()
 
 from trainer.config import Config, ConfigError, load_config
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name):

@@ -48,9 +48,8 @@ DEFAULT_INDUCTOR_OPTIONS = {
     # Off: Inductor's "mix-order" reduction (torch >= 2.10) fuses each LayerNorm's weight/bias gradient reduction
     # into the input-gradient kernel plus a small per-column reduction kernel; on gpt2-small (B=16, T=1024, bf16,
     # graphed step) on an H100 the step ran at 483K tokens/s without it and 476K with it, and in a second run 480K
-    # and 475K (scripts/results/bench_step_mix_order_first_h100.log, bench_step_inductor_knobs_h100.log). With the
-    # LayerNorms on our kernels since, two rounds: 503K/502K with it, 505K/503K without
-    # (bench_step_mix_order_s12_h100.log).
+    # and 475K. With the
+    # LayerNorms on our kernels, two rounds: 503K/502K with it, 505K/503K without (docs/performance.md).
     "triton.mix_order_reduction": False,
 }
 

@@ -29,7 +29,7 @@ stream by events, as in an eager step), and the wait before the gradients are re
 captures the same collectives in the same order, so the replays pair up. What it saves is host work
 (~150 Python gradient hooks, the graph pieces' wrappers, the all-reduce launches): on 2 H200s with
 GPT-2 124M the host kept ahead of the GPU without it, and the graphed step ran at the ungraphed
-speed (473K vs 472K tokens/s per GPU, scripts/results/bench_ddp_graphed_h200x2.log); it pays where
+speed (473K vs 472K tokens/s per GPU); it pays where
 the host is the bottleneck.
 
 Not supported (refused by the config): fp16 with a grad scaler (its skip-step logic reads the host),

@@ -326,7 +326,7 @@ def resolve_impl(
     CUDA, Adam(W): ours, ``triton`` (gradients read where autograd left them, clipping inside the step),
     the fastest measured for a whole training step: gpt2-small B=16 T=1024 bf16, graphed, H100: 485K
     tok/s against 480K with torch's ``fused`` (the step alone with clipping: 1.38 ms vs 1.78 ms); 2 H200s,
-    ddp: 490K vs 484K tok/s per GPU (scripts/results/bench_step_table_h100.*, bench_ddp_triton_h200x2.*).
+    ddp: 490K vs 484K tok/s per GPU (docs/performance.md).
     Not for ``sharded`` parameters (FSDP's DTensors) or ``scaled`` gradients (fp16's grad scaler, not
     measured with ours), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused``
     there. Elsewhere: ``foreach``.

@@ -9,7 +9,7 @@ Units: the blocks are grouped as the bucket plan packs them (:mod:`trainer.distr
 whole blocks up to ``distributed.fsdp_unit_mb``), one ``fully_shard`` unit per group, so one all-gather
 and one reduce-scatter per group rather than per block. FSDP2's hooks cost host time per unit and per
 collective, and a small model's step is host-bound (2 H200s, GPT-2 124M: the GPU idle 25 of 35 ms
-with a unit per block, see scripts/results/trace_fsdp_h200x2.txt). What is not in a block (embeddings,
+with a unit per block; docs/performance.md). What is not in a block (embeddings,
 final norm, head) stays with the root.
 
 Checkpoints go through ``torch.distributed.checkpoint`` (DCP): each rank writes its shards, and a

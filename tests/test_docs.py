@@ -1,0 +1,82 @@
+"""The README and docs/ say only what the code has: links, files, config keys and CLI commands that exist."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from trainer.config import iter_fields
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+SECTIONS = "run|seed|model|data|optim|schedule|train|compile|distributed|checkpoint|log"
+TYPO_EXAMPLE = "optim.lrr"  # the pages show what a misspelt key does
+FILE_SUFFIXES = {"bin", "json", "jsonl", "yaml", "py", "md", "txt", "png"}
+HISTORY = re.compile(r"\bsession \d+|\bsince then\b|\bthis session\b", re.IGNORECASE)
+
+
+def _code_spans(text: str) -> list[str]:
+    """Inline code and indented/fenced code lines: where keys, paths and commands are written."""
+    spans = re.findall(r"`([^`\n]+)`", text)
+    spans += [line for line in text.splitlines() if line.startswith("    ")]
+    return spans
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_and_paths_exist(page):
+    text = page.read_text()
+    missing = []
+    for target in re.findall(r"\]\(([^)#\s]+)", text):  # Markdown links
+        if not target.startswith("http") and not (page.parent / target).exists():
+            missing.append(target)
+    for span in _code_spans(text):  # repository files named in code
+        for path in re.findall(r"\b((?:scripts|configs|trainer|tests|docs)/[\w./-]+\.(?:py|yaml|md|json|sh))\b", span):
+            if not (ROOT / path).exists():
+                missing.append(path)
+    assert not missing, f"{page.name} names files that do not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_config_keys_exist(page):
+    keys = {key for key, *_ in iter_fields()}
+    unknown = []
+    for span in _code_spans(page.read_text()):
+        for key in re.findall(rf"(?<![\w./])((?:{SECTIONS})\.[a-z_]+)\b", span):
+            if key in keys or key.startswith(("model.kwargs", "compile.inductor_options")) or key == TYPO_EXAMPLE:
+                continue
+            if key.rsplit(".", 1)[1] not in FILE_SUFFIXES:  # train.bin is a file
+                unknown.append(key)
+    assert not unknown, f"{page.name} names config keys the schema lacks: {sorted(set(unknown))}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_commands_exist(page):
+    import argparse
+
+    from trainer.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    commands = set(sub.choices)
+    named = set()
+    for span in _code_spans(page.read_text()):
+        named.update(re.findall(r"(?:^|[\s$(])trainer ([a-z][a-z-]+)\b", span))
+    assert named <= commands, f"{page.name} names commands the CLI lacks: {sorted(named - commands)}"
+
+
+def test_no_development_history_in_the_product():
+    pages = [*PAGES, *ROOT.glob("configs/*.yaml"), *ROOT.glob("trainer/**/*.py"), *ROOT.glob("scripts/**/*.py")]
+    found = [str(p.relative_to(ROOT)) for p in pages if HISTORY.search(p.read_text())]
+    assert not found, f"these files speak of development history (git log and CHANGELOG.md hold it): {found}"
+
+
+def test_version_is_one():
+    import trainer
+
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    assert trainer.__version__ == version
+    assert f"## {version}" in (ROOT / "CHANGELOG.md").read_text(), "CHANGELOG.md has no section for this version"
+
+
+def test_readme_is_a_product_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; the details belong in docs/"
