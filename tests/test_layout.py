@@ -14,6 +14,7 @@ KERNEL_LAYERS = {
     "sgd": 2,
     "grad_table": 2,
     "add_layer_norm": 2,
+    "add_rms_norm": 2,
     "linear_cross_entropy": 2,
     "flat": 3,
     "optimizers": 3,

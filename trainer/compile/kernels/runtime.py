@@ -5,8 +5,8 @@ The kernels are layered; a module imports only from the layers above its own:
 1. primitives: this module, and :mod:`~trainer.compile.kernels.grad_norm` (the sum-of-squares kernels);
 2. kernels: :mod:`~trainer.compile.kernels.adamw` and :mod:`~trainer.compile.kernels.sgd` (updates of flat
    buffers), :mod:`~trainer.compile.kernels.grad_table` (AdamW and the norm through gradient addresses),
-   :mod:`~trainer.compile.kernels.add_layer_norm` and :mod:`~trainer.compile.kernels.linear_cross_entropy`
-   (model ops);
+   :mod:`~trainer.compile.kernels.add_layer_norm`, :mod:`~trainer.compile.kernels.add_rms_norm` and
+   :mod:`~trainer.compile.kernels.linear_cross_entropy` (model ops);
 3. flat buffers: :mod:`~trainer.compile.kernels.flat` (``FlatGroup``, ``FlatOptimizer``) and
    :mod:`~trainer.compile.kernels.optimizers` (``TritonAdamW``, ``TritonAdam``, ``TritonSGD``).
 
