@@ -19,14 +19,20 @@ LR, BETAS, WEIGHT_DECAY, MAX_NORM = 6e-4, (0.9, 0.95), 0.1, 1.0
 def user_model_and_data(preset: str, vocab: int, seq: int, batch: int, device: torch.device, *, rank: int = 0,
                         world_size: int = 1, seed: int = 0, **shape) -> tuple[nn.Module, object]:  # fmt: skip
     """``(model, batches)``: the built-in GPT on ``device`` and the embedded corpus' batches for this rank."""
-    from trainer.data import Batches, load_corpus
     from trainer.models import build_model
 
     torch.manual_seed(seed)
-    corpus = load_corpus(None, vocab, 0.05, seq)
-    batches = Batches(corpus, seq_len=seq, micro_batch_size=batch, grad_accum=1, rank=rank, world_size=world_size,
-                      seed=seed, device=device)  # fmt: skip
-    return build_model(preset=preset, vocab_size=vocab, seq_len=seq, **shape).to(device), batches
+    model = build_model(preset=preset, vocab_size=vocab, seq_len=seq, **shape).to(device)
+    return model, user_data(seq, batch, device, rank=rank, world_size=world_size, seed=seed)
+
+
+def user_data(seq: int, batch: int, device: torch.device, *, rank: int = 0, world_size: int = 1, seed: int = 0):
+    """The embedded corpus' batches (bytes) for this rank, as the trainer draws them."""
+    from trainer.data import Batches, load_corpus
+
+    corpus = load_corpus(None, None, 0.05, seq)
+    return Batches(corpus, seq_len=seq, micro_batch_size=batch, grad_accum=1, rank=rank, world_size=world_size,
+                   seed=seed, device=device)  # fmt: skip
 
 
 def user_fsdp(model: nn.Module, bf16: bool) -> nn.Module:
@@ -46,6 +52,7 @@ def user_step(model: nn.Module, step_model: nn.Module, batches, device: torch.de
     the clip); ``step_model`` runs the forward (``model`` itself, ``torch.compile(model)`` or a DDP wrapper).
     ``like_gpu`` (default: on CUDA): fused AdamW and bf16 autocast."""
     from trainer.build import param_groups
+    from trainer.models import loss_of
 
     like_gpu = device.type == "cuda" if like_gpu is None else like_gpu
     opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=like_gpu)
@@ -54,7 +61,7 @@ def user_step(model: nn.Module, step_model: nn.Module, batches, device: torch.de
     def step(i: int) -> torch.Tensor:
         x, y = batches.train_batch(i, 0)
         with autocast:
-            loss = step_model(x, y)
+            loss = loss_of(step_model(x, y))  # nanoGPT's model returns (logits, loss)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()

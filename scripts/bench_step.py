@@ -1,7 +1,9 @@
 """Training-step benchmark on one GPU: eager, plain torch.compile, and ours, same model, batch and dtype.
 
     python scripts/bench_step.py                      # gpt2-small and gpt2-medium, B=16, T=1024, bf16
-    python scripts/bench_step.py --preset gpt2-small --variants eager,torch.compile,ours,ours-model
+    python scripts/bench_step.py --models nanogpt-124m,hf-gpt2-124m,hf-llama-1b --variants torch.compile,ours
+    python scripts/bench_step.py --models hf-llama-1b --batch 8
+    python scripts/bench_step.py --models gpt2-small --variants eager,torch.compile,ours,ours-model
     python scripts/bench_step.py --variants torch.compile,ours,ours@compile.mode=max-autotune-no-cudagraphs
     python scripts/bench_step.py --variants ours,ours@env:TORCHINDUCTOR_MIX_ORDER_REDUCTION=0
 
@@ -12,10 +14,14 @@ spec and against the bf16 matmul peak measured in this run, peak memory and firs
 cache directory and once more with the one the first run filled. ``BENCH_TRACE=dir`` also writes each
 variant's GPU timeline there (timings then include the profiler); ``scripts/trace_gaps.py`` reads it.
 
+Models (``scripts/_models.py``): the built-in GPT-2 124M and 350M, a user's nanoGPT-shaped GPT-2 124M
+(``scripts/nanogpt_model.py``, through ``model.target``) and Hugging Face GPT-2 124M and Llama-3.2-1B shapes from
+their configs (``model.hf``), each at its own batch and length unless ``--batch``/``--seq`` say otherwise.
 Baselines are written as a user writes them: ``torch.compile(model)`` (or not), fused AdamW,
 ``clip_grad_norm_``, bf16 autocast, batches from the same data loader. "ours" is ``trainer fit`` (the Trainer)
-as shipped for the GPU (``compile.enabled`` and ``compile.cudagraphs`` left at ``auto``: compiled, the whole step
-one CUDA graph); ``ours-*`` variants name other settings. Several presets share one JSON (``--out``).
+as shipped for the GPU (``compile.enabled``, ``compile.cudagraphs`` and ``compile.kernels`` left at ``auto``:
+compiled with our kernels substituted, the whole step one CUDA graph); ``ours-*`` variants name other settings.
+Several models share one JSON (``--out``). MFU counts attention (6N + 12·L·C·T, or the model's own count).
 
 Timing: the baselines' timed steps run back to back with one wait at the end (the GPU's step time, no
 host sync between steps); ``torch.compile-synced`` times each step to a ``torch.cuda.synchronize()`` as
@@ -37,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts._models import MODELS, spec  # noqa: E402
+
 SPEC_PEAK = 989e12  # H100/H200 SXM dense bf16
 
 _ON = ["compile.enabled=true", "compile.cudagraphs=false"]  # compiled, not graphed
@@ -56,10 +64,8 @@ VARIANTS = {
 
 def _common_overrides(a) -> list[str]:
     return [
-        f"model.preset={a.preset}",
         f"train.micro_batch_size={a.batch}",
         f"data.seq_len={a.seq}",
-        "data.vocab_size=50304",
         "train.precision=bf16",
         f"train.steps={a.warmup + a.steps}",
         "train.eval_every=0",
@@ -80,12 +86,13 @@ def run_user(a, compile_model: bool, synced: bool = False) -> dict:
     waiting for each step (else the timed steps run back to back and the window is timed once)."""
     import torch
 
-    from scripts._user_loop import user_model_and_data, user_step
-    from trainer.models import flops_per_token
+    from scripts import _models
+    from scripts._user_loop import user_data, user_step
 
     dev = torch.device("cuda")
-    model, batches = user_model_and_data(a.preset, 50304, a.seq, a.batch, dev)
-    fpt = flops_per_token(model, a.seq)
+    torch.manual_seed(0)
+    model = _models.build(a.model, a.cache_dir, a.seq).to(dev)
+    batches = user_data(a.seq, a.batch, dev)
     step_fn = user_step(model, torch.compile(model) if compile_model else model, batches, dev)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -114,32 +121,40 @@ def run_user(a, compile_model: bool, synced: bool = False) -> dict:
         "step_ms": per_step * 1e3,
         "first_step_s": first,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
-        "flops_per_token": fpt,
         "final_loss": loss.item(),
     }
 
 
 def run_ours(a, overrides: list[str], cache_dir: str) -> dict:
+    from scripts import _models
     from trainer.config import load_config
     from trainer.loop import Trainer
-    from trainer.models import build_model, flops_per_token
 
     run_dir = tempfile.mkdtemp(prefix="bench_step_")
     cfg = load_config(
         ROOT / "configs/gpt2-small.yaml",
-        [*_common_overrides(a), *overrides, f"run.dir={run_dir}", f"compile.cache_dir={cache_dir}"],
-    )
+        [*_models.overrides(a.model, cache_dir), *_common_overrides(a), *overrides, f"run.dir={run_dir}",
+         f"compile.cache_dir={cache_dir}"],
+    )  # fmt: skip
     s = Trainer(cfg).fit()
-    fpt = flops_per_token(build_model(preset=a.preset, vocab_size=50304, seq_len=a.seq), a.seq)
     median = s["median_step_s"]
     return {
         "tokens_per_s": a.batch * a.seq / median,
         "step_ms": median * 1e3,
         "first_step_s": s["first_step_s"],
         "peak_mem_gb": s["peak_mem_gb"],
-        "flops_per_token": fpt,
         "final_loss": s["loss"],
     }
+
+
+def model_flops(a) -> float:
+    """Training FLOPs per token of ``a.model`` at ``a.seq`` (counted on a model without storage)."""
+    import torch
+
+    from scripts import _models
+
+    with torch.device("meta"):
+        return _models.flops_per_token(a.model, _models.build(a.model, tempfile.mkdtemp(), a.seq), a.seq)
 
 
 def matmul_peak() -> float:
@@ -193,7 +208,7 @@ def _worker(a) -> None:
 
 
 def _spawn(a, variant: str, cache_dir: str, trace_dir: str | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant, "--cache-dir", cache_dir, "--preset", a.preset,
+    cmd = [sys.executable, __file__, "--worker", variant, "--cache-dir", cache_dir, "--models", a.model,
            "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
            *[f"--extra={e}" for e in a.extra]]  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
@@ -214,9 +229,9 @@ def _spawn(a, variant: str, cache_dir: str, trace_dir: str | None = None) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="gpt2-small,gpt2-medium", help="built-in GPT sizes, comma-separated")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--models", default="gpt2-small,gpt2-medium", help="comma-separated, of: " + ", ".join(MODELS))
+    p.add_argument("--batch", type=int, help="micro-batch (default: each model's, scripts/_models.py)")
+    p.add_argument("--seq", type=int, help="sequence length (default: each model's)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile happens in step 1)")
     p.add_argument("--variants", default="eager,torch.compile,ours", help="known: " + ", ".join(VARIANTS))
@@ -229,6 +244,7 @@ def main() -> None:
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
+        a.model = a.models
         return _worker(a)
 
     import torch
@@ -241,23 +257,29 @@ def main() -> None:
     from scripts._meta import git_sha
 
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "git_sha": git_sha(), "batch": a.batch, "seq_len": a.seq, "steps": a.steps, "warmup": a.warmup,
-           "matmul_peak_tflops": peak / 1e12, "models": {}}  # fmt: skip
+           "git_sha": git_sha(), "steps": a.steps, "warmup": a.warmup, "matmul_peak_tflops": peak / 1e12,
+           "models": {}}  # fmt: skip
+    names = a.models.split(",")
+    for name in names:
+        spec(name)
+    batch, seq = a.batch, a.seq
 
     def record(results: dict, name: str, r: dict) -> None:
         """Keep a result and rewrite the JSON: a run cut short keeps what finished."""
         if "tokens_per_s" in r:
-            flops = r["flops_per_token"] * r["tokens_per_s"]
+            flops = doc["models"][a.model]["flops_per_token"] * r["tokens_per_s"]
             r["mfu_spec"] = flops / SPEC_PEAK
             r["mfu_measured_peak"] = flops / peak
         results[name] = r
-        print(f"{a.preset} {name}: {r}", flush=True)
+        print(f"{a.model} {name}: {r}", flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(doc, indent=1))
 
-    for preset in a.preset.split(","):
-        a.preset, results, caches = preset, {}, {}
-        doc["models"][preset] = {"results": results}
+    for name in names:
+        a.model, a.batch, a.seq = name, batch or spec(name)["batch"], seq or spec(name)["seq"]
+        results, caches = {}, {}
+        doc["models"][name] = {"batch": a.batch, "seq_len": a.seq, "flops_per_token": model_flops(a),
+                               "results": results}  # fmt: skip
         for v in variants:
             caches[v] = tempfile.mkdtemp(prefix="cache_")
             record(results, v, _spawn(a, v, caches[v]))
@@ -283,19 +305,20 @@ def _trace(a, variants: list[str], caches: dict) -> None:
 
 def table(doc: dict) -> str:
     """The results as a Markdown table, one row per model and variant, ratios against torch.compile."""
-    lines = [f"\n{doc['gpu']}, torch {doc['torch']}, B={doc['batch']} T={doc['seq_len']} bf16; bf16 matmul peak "
-             f"measured {doc['matmul_peak_tflops']:.0f} TFLOP/s; git {doc['git_sha']}",
-             "| model | variant | tokens/s | vs torch.compile | MFU (989 spec) | MFU (measured peak) | peak mem GB "
-             "| first step s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"\n{doc['gpu']}, torch {doc['torch']}, bf16; bf16 matmul peak measured "
+             f"{doc['matmul_peak_tflops']:.0f} TFLOP/s; git {doc['git_sha']}",
+             "| model | B x T | variant | tokens/s | vs torch.compile | MFU (989 spec) | MFU (measured peak) "
+             "| peak mem GB | first step s |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for preset, m in doc["models"].items():
+        bt = f"{m['batch']} x {m['seq_len']}"
         base = m["results"].get("torch.compile", {}).get("tokens_per_s")
         for v, r in m["results"].items():
             if "tokens_per_s" not in r:
-                lines.append(f"| {preset} | {v} | failed | | | | | |")
+                lines.append(f"| {preset} | {bt} | {v} | failed | | | | | |")
                 continue
             ratio = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
             mfu = f"{r['mfu_spec'] * 100:.1f}% | {r['mfu_measured_peak'] * 100:.1f}%"
-            lines.append(f"| {preset} | {v} | {r['tokens_per_s'] / 1e3:.0f}K | {ratio} | {mfu} | "
+            lines.append(f"| {preset} | {bt} | {v} | {r['tokens_per_s'] / 1e3:.1f}K | {ratio} | {mfu} | "
                          f"{r['peak_mem_gb']:.1f} | {r['first_step_s']:.1f} |")  # fmt: skip
     return "\n".join(lines)
 

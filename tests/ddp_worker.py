@@ -28,7 +28,7 @@ def main(out_dir: str) -> None:
     def model():
         torch.manual_seed(0)
         return build_model(preset="tiny", vocab_size=64, seq_len=16, n_layer=4, n_head=2, n_embd=32, dropout=0.0,
-                           bias=True, fused_loss=False, target=None, kwargs={}).to(dev)  # fmt: skip
+                           bias=True, target=None, kwargs={}).to(dev)  # fmt: skip
 
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (4 * world, 16), generator=g).to(dev)

@@ -2,11 +2,14 @@
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from scripts._variants import parse_variant
 from scripts.bench_ddp import VARIANTS, GpuPool
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pool_places_jobs_on_disjoint_gpus_in_order_and_says_which_ran_alone():
@@ -99,3 +102,21 @@ def test_trace_gaps_splits_steps_at_the_optimizer_and_sums_each_category(tmp_pat
         "idle: host 1.50 ms (kernel launched after the GPU ran dry) | device 0.50 ms (waits, kernel-to-kernel latency)"
         in out
     ), out
+
+
+def test_step_benchmark_models_build_and_configure(tmp_path):
+    """Every model of the step benchmark: its trainer overrides load, and the model it builds (without storage)
+    counts its FLOPs with attention."""
+    import torch
+
+    from scripts import _models
+    from trainer.config import load_config
+
+    for name in _models.MODELS:
+        cfg = load_config(ROOT / "configs/gpt2-small.yaml", _models.overrides(name, tmp_path))
+        assert (cfg.model.hf is not None) == (_models.spec(name)["kind"] == "hf")
+        seq = _models.spec(name)["seq"]
+        with torch.device("meta"):
+            model = _models.build(name, tmp_path, seq)
+        n = sum(p.numel() for p in model.parameters())
+        assert _models.flops_per_token(name, model, seq) > 6 * n * 0.9, name  # attention adds, tied heads too

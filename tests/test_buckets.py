@@ -11,7 +11,7 @@ from trainer.models import build_model
 
 def _gpt(n_layer=4):
     return build_model(preset="tiny", vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, n_embd=32, dropout=0.0,
-                       bias=True, fused_loss=False, target=None, kwargs={})  # fmt: skip
+                       bias=True, target=None, kwargs={})  # fmt: skip
 
 
 def test_whole_blocks_packed_up_to_the_cap_in_ready_order():

@@ -248,9 +248,14 @@ def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
     measured defaults under them), also through the DDP splitter's inner compiler; bad keys are config errors."""
     import functools
 
-    from trainer.compile.capture import DEFAULT_INDUCTOR_OPTIONS, compile_kwargs, flat_options, inductor_option_names
+    from trainer.compile.capture import (
+        DEFAULT_INDUCTOR_OPTIONS,
+        compile_kwargs,
+        flat_options,
+        inductor_option_names,
+        inner_backend,
+    )
     from trainer.config import ConfigError
-    from trainer.distributed.ddp import inner_backend
 
     assert set(DEFAULT_INDUCTOR_OPTIONS) <= inductor_option_names()  # pinned: a torch that renames them fails here
     kw = compile_kwargs("inductor", "default", False, False)

@@ -50,10 +50,10 @@ VARIANTS = {
     # 10 KiB buckets: one block per bucket, so the compiled forward is split into 4 pieces.
     "ddp-compiled": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
                      "distributed.bucket_mb=0.01"],
-    # The Triton residual-add + LayerNorm (the interpreter on CPU; the default on CUDA), which takes each
-    # attention projection's bias into ln_2's kernel: the pieces still follow the plan (checked below).
-    "ddp-compiled-fused-norm": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
-                                "distributed.bucket_mb=0.01", "model.layer_norm=triton"],
+    # Our kernels substituted into each graph piece (the interpreter on CPU; the default on CUDA): the residual
+    # add + LayerNorm takes the projection's bias into its kernel; the pieces still follow the plan (checked below).
+    "ddp-compiled-kernels": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
+                             "distributed.bucket_mb=0.01", "compile.kernels=all"],
     "ddp-compiled-autograd": ["distributed.strategy=ddp", "compile.enabled=true", "compile.backend=aot_eager",
                               "compile.autograd=true", "distributed.bucket_mb=0.01", "train.grad_accum=2",
                               "train.micro_batch_size=2"],

@@ -104,91 +104,14 @@ def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_st
         load_config(None, ["model.attention=flash", "model.target=pkg.mod:make", "model.preset=null"])
 
 
-def test_triton_cross_entropy_matches_torch_in_the_gpt(monkeypatch):
-    """model.cross_entropy=triton (the loss kernel writing the logit gradients in the forward) gives the
-    GPT the loss and gradients of F.cross_entropy (fp32 on CPU; the kernel's own tests cover bf16)."""
-    import trainer.compile.kernels.linear_cross_entropy as lce
-    from trainer.build import cross_entropy
+def test_the_trainer_builds_the_gpt_with_the_configured_attention(tmp_path):
+    """A dropped argument once made a GPU A/B run measure one kernel twice: the built model has the choice."""
     from trainer.config import load_config
-
-    idx = torch.randint(0, 64, (2, 16))
-    out, calls = {}, []
-    rows = lce._cross_entropy_rows_
-    monkeypatch.setattr(lce, "_cross_entropy_rows_", lambda *a: calls.append(1) or rows(*a))
-    for name in ("torch", "triton"):
-        torch.manual_seed(0)
-        model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16, cross_entropy=name)
-        loss = model(idx, idx.roll(1, dims=1))
-        loss.backward()
-        assert len(calls) == (name == "triton")  # the loss kernel ran for triton only
-        out[name] = (loss.detach(), model.lm_head.weight.grad, model.transformer.h[0].mlp.c_fc.weight.grad)
-    for a, b in zip(out["torch"], out["triton"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    auto = load_config(None, ["model.cross_entropy=auto"])
-    assert cross_entropy(auto, torch.device("cpu")) == "torch"
-    assert cross_entropy(auto, torch.device("cuda")) == "triton"
-
-
-def test_loss_kernel_config_rules_and_the_trainer_wires_the_choices(tmp_path):
-    """The trainer builds the GPT with the configured loss and attention kernels (a dropped argument made a GPU
-    A/B run measure torch's loss twice once); triton is refused with fp16 and beside an explicit fused loss,
-    and auto avoids both."""
-    from trainer.build import cross_entropy
-    from trainer.config import ConfigError, load_config
     from trainer.loop import Trainer
     from trainer.models.gpt import sdpa_backend
 
-    cfg = load_config(
-        None,
-        ["model.cross_entropy=triton", "model.attention=math", "train.steps=1",
-         f"run.dir={tmp_path}", "log.progress=false", "checkpoint.enabled=false", "train.eval_batches=1"],
-    )  # fmt: skip
+    cfg = load_config(None, ["model.attention=math", "train.steps=1", f"run.dir={tmp_path}", "log.progress=false",
+                             "checkpoint.enabled=false", "train.eval_batches=1"])  # fmt: skip
     trainer = Trainer(cfg)
     trainer.fit()
-    assert trainer.raw_model.cfg.cross_entropy == "triton"
     assert trainer.raw_model.transformer.h[0].attn.backend == sdpa_backend("math")
-    with pytest.raises(ConfigError, match="model.cross_entropy: 'triton' does not support train.precision=fp16"):
-        load_config(None, ["model.cross_entropy=triton", "train.precision=fp16"])
-    with pytest.raises(ConfigError, match="model.cross_entropy: 'triton' and model.fused_loss=true"):
-        load_config(None, ["model.cross_entropy=triton", "model.fused_loss=true"])
-    cuda = torch.device("cuda")
-    assert cross_entropy(load_config(None, ["train.precision=fp16"]), cuda) == "torch"
-    assert cross_entropy(load_config(None, ["model.fused_loss=true"]), cuda) == "torch"
-    assert cross_entropy(load_config(None, ["compile.autograd=true"]), cuda) == "torch"  # fused loss by default
-    from trainer.build import fused_loss
-
-    asked = load_config(None, ["compile.autograd=true", "model.cross_entropy=triton"])
-    assert not fused_loss(asked, cuda) and cross_entropy(asked, cuda) == "triton"  # not silently replaced
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
-def test_fused_add_layer_norm_gpt_matches_nn_layer_norm(monkeypatch, compiled):
-    """model.layer_norm=triton (each residual add done by the Triton norm that reads it) gives the GPT the loss,
-    logits and gradients of nn.LayerNorm (fp32 on CPU, the interpreter), eager and compiled in one graph; the
-    state dict is the same."""
-    import trainer.compile.kernels.add_layer_norm as aln
-    from trainer.build import layer_norm
-    from trainer.config import load_config
-
-    idx = torch.randint(0, 64, (2, 16))
-    out, calls, states = {}, [], {}
-    fwd = aln._fwd_op
-    monkeypatch.setattr(aln, "_fwd_op", lambda *a: calls.append(1) or fwd(*a))
-    for name in ("torch", "triton"):
-        torch.manual_seed(0)
-        model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=16, layer_norm=name)
-        states[name] = model.state_dict()
-        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
-        calls.clear()
-        loss = run(idx, idx.roll(1, dims=1))
-        loss.backward()
-        # ln_1 (plain) + 3 fused adds (ln_2, ln_1, ln_2) + ln_f; compiled: traced once through the same calls
-        assert len(calls) == (5 if name == "triton" else 0)
-        grads = [p.grad for p in model.parameters()]
-        out[name] = (loss.detach(), run(idx)[:, -1].detach(), *grads)
-    assert states["torch"].keys() == states["triton"].keys()
-    for a, b in zip(out["torch"], out["triton"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    auto = load_config(None, ["model.layer_norm=auto"])
-    assert layer_norm(auto, torch.device("cpu")) == "torch"
-    assert layer_norm(auto, torch.device("cuda")) == "triton"

@@ -36,7 +36,25 @@ def resolve_auto(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
         why.append(f"compile.cudagraphs=auto: {state}")
     elif c.cudagraphs and device.type != "cuda":
         why.append(f"compile.cudagraphs=true has no effect on {device.type}")
+    c.kernels, note = _resolve_kernels(cfg, device)
+    why += [note] if note else []
     return cfg, why
+
+
+def _resolve_kernels(cfg: Config, device: torch.device) -> tuple[list[str], str | None]:
+    """``compile.kernels`` as a list of names for ``device``, and a note when the choice needs one. ``auto`` leaves
+    out the loss row kernel under fp16 (its weight-gradient sum could overflow unscaled) and under compiled
+    autograd (whose backward graph would keep a second logits buffer; the fused loss keeps none)."""
+    from trainer.compile.capture import resolve_kernels
+
+    c = cfg.compile
+    kernels = resolve_kernels(c.kernels, device.type)
+    if not (c.enabled or c.autograd):
+        return [], (f"compile.kernels={c.kernels} has no effect without compile" if kernels and c.kernels != "auto"
+                    else None)  # fmt: skip
+    if c.kernels == "auto" and (cfg.train.precision == "fp16" or c.autograd):
+        kernels = [k for k in kernels if k != "cross_entropy"]
+    return kernels, None
 
 
 def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str:
@@ -50,24 +68,23 @@ def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str
     if c.cudagraphs and device.type == "cuda":
         path += f", the whole step replayed as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps"
     kernels = [f"{opt.impl} {cfg.optim.name}"]
-    kernels += ["fused linear+cross-entropy"] if fused_loss(cfg, device) else []
-    kernels += ["triton cross-entropy"] if cross_entropy(cfg, device) == "triton" else []
-    kernels += ["triton add+layernorm"] if layer_norm(cfg, device) == "triton" else []
+    if c.enabled and c.kernels:
+        kernels.append(f"kernels substituted where they match: {' '.join(c.kernels)}")
     reasons = f" ({'; '.join(why)})" if why else ""
     return f"path: {path}; {', '.join(kernels)}{reasons}"
 
 
 def make_model(cfg: Config, vocab_size: int, device: torch.device) -> nn.Module:
-    """The model the config describes (the built-in GPT with this device's kernels, or ``model.target``'s)."""
+    """The model the config describes (the built-in GPT, ``model.target``'s, or the
+    Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's)."""
     from trainer.models import build_model
 
     m = cfg.model
     check_attention(cfg, device, amp_dtype(cfg.train.precision, device))
     return build_model(
         preset=m.preset, vocab_size=vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-        n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, fused_loss=fused_loss(cfg, device), attention=m.attention,
-        cross_entropy=cross_entropy(cfg, device), layer_norm=layer_norm(cfg, device), target=m.target,
-        kwargs=dict(m.kwargs),
+        n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=m.attention, target=m.target,
+        kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=m.pretrained,
     ).to(device)  # fmt: skip
 
 
@@ -195,39 +212,6 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torc
     )
 
 
-def fused_loss(cfg: Config, device: torch.device) -> bool:
-    """``model.fused_loss``, with null resolved: on for the built-in GPT under compiled autograd on a GPU
-    (unless ``model.cross_entropy: triton`` asks for the other loss kernel).
-
-    Why: AOTAutograd lets Inductor write the logits' gradient into the saved logits buffer ("donated
-    buffers"), but only in its own backward graphs; compiled autograd's graph is compiled as an inference
-    graph, so it allocates a second (tokens x vocab) buffer: +1.5 GB for gpt2-small. The fused loss has
-    no logits buffer at all; measured on an H100: compiled autograd 452K tok/s at 8.0 GB with it, the
-    same as without compiled autograd (452K, 8.1 GB), against 10.6 GB without the fused loss.
-    """
-    if cfg.model.fused_loss is not None:
-        return cfg.model.fused_loss
-    explicit_other = cfg.model.cross_entropy == "triton"  # asked for by name: not silently replaced
-    return cfg.compile.autograd and cfg.model.target is None and device.type == "cuda" and not explicit_other
-
-
-def cross_entropy(cfg: Config, device: torch.device) -> str:
-    """``model.cross_entropy`` with auto resolved: our Triton loss kernel on CUDA (not with fp16, where its weight
-    gradient could overflow, nor under the fused loss, which replaces it), F.cross_entropy elsewhere."""
-    if cfg.model.cross_entropy != "auto":
-        return cfg.model.cross_entropy
-    usable = cfg.model.target is None and cfg.train.precision != "fp16" and not fused_loss(cfg, device)
-    return "triton" if device.type == "cuda" and usable else "torch"
-
-
-def layer_norm(cfg: Config, device: torch.device) -> str:
-    """``model.layer_norm`` with auto resolved: the fused residual add + LayerNorm Triton kernels for the built-in
-    GPT on CUDA, nn.LayerNorm elsewhere (on CPU Triton runs only in its interpreter)."""
-    if cfg.model.layer_norm != "auto":
-        return cfg.model.layer_norm
-    return "triton" if device.type == "cuda" and cfg.model.target is None else "torch"
-
-
 def check_attention(cfg: Config, device: torch.device, dtype) -> None:
     """Fail at startup, with the key, when ``model.attention`` names a kernel this device cannot run.
 
@@ -312,7 +296,10 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
         plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks, cfg.distributed.split_tail)
         if compile and splits_at_buckets(cfg.compile):
             c = cfg.compile
-            splitter = ddp.PlanSplitter(plan, ddp.inner_backend(c.backend, c.mode, dict(c.inductor_options)))
+            from trainer.compile.capture import inner_backend
+
+            kernels = c.kernels if isinstance(c.kernels, list) else ()
+            splitter = ddp.PlanSplitter(plan, inner_backend(c.backend, c.mode, dict(c.inductor_options), kernels))
     # A sharded model had its blocks compiled by shard(), before fully_shard.
     if compile and cfg.compile.enabled and not is_sharded(model):
         from trainer.compile.capture import apply_compile
@@ -382,6 +369,7 @@ def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
     ``splitter`` is the one a run used (under torchrun); without one, the forward is traced once with
     a splitter over the eager backend (no code generation) to find where the pieces end.
     """
+    from trainer.compile.capture import inner_backend
     from trainer.distributed import ddp
     from trainer.distributed.buckets import plan_buckets
 
@@ -391,7 +379,7 @@ def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
     lines = []
     if splits_at_buckets(c):
         if splitter is None:
-            splitter = ddp.PlanSplitter(plan, ddp.inner_backend("eager"))
+            splitter = ddp.PlanSplitter(plan, inner_backend("eager"))
             idx = torch.zeros(1, cfg.data.seq_len, dtype=torch.long, device=next(model.parameters()).device)
             with torch.no_grad():
                 torch.compile(model, backend=splitter)(idx, idx)

@@ -41,6 +41,8 @@ SHAPE_KEYS = [
     "model.bias",
     "model.target",
     "model.kwargs",
+    "model.hf",
+    "model.hf_overrides",
     "data.vocab_size",
     "data.seq_len",
     "optim.name",
@@ -230,6 +232,43 @@ def load(path: Path, *, rank: int, device: torch.device) -> dict:
         "optim": _load_file(path / "optim.pt", device),
         "rng": _load_file(rng_path, torch.device("cpu")) if rng_path.exists() else None,
     }
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> dict:
+    """Load checkpoint ``path``'s model weights into ``model`` (whole, unsharded, on the CPU) in this one process,
+    without the optimizer state: ``model.pt``, or an fsdp run's DCP shards read whole (no process group needed).
+    Returns the checkpoint's meta (``trainer export``).
+
+    Raises:
+        CheckpointError: a missing or incomplete checkpoint, or weights that do not fit ``model``.
+    """
+    if not path.is_dir():
+        raise CheckpointError(f"not a checkpoint directory: {path}")
+    try:
+        meta = json.loads((path / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"incomplete checkpoint {path}: {META} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"corrupt checkpoint file {path / META}: {e}") from None
+    try:
+        if (path / DCP_DIR).is_dir():
+            import warnings
+
+            import torch.distributed.checkpoint as dcp
+
+            state = {"model": model.state_dict()}  # views of the parameters: DCP reads into them in place
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)
+            model.load_state_dict(state["model"])
+        else:
+            model.load_state_dict(_load_file(path / "model.pt", torch.device("cpu")))
+    except (RuntimeError, KeyError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CheckpointError(f"checkpoint {path} does not fit the model its run's config builds: {reason}") from None
+    return meta
 
 
 def _get(d: dict, key: str):

@@ -1,4 +1,4 @@
-"""``trainer fit | print-config | explain | plot``: a thin argparse front end.
+"""``trainer fit | print-config | explain | plot | export``: a thin argparse front end.
 
 User errors (config, overrides, files, checkpoints) print one paragraph to stderr and exit 2,
 with no traceback (``TRAINER_DEBUG=1`` shows it). Everything else is a bug and keeps its traceback.
@@ -20,6 +20,7 @@ USAGE_EXAMPLES = """examples:
   torchrun --nproc-per-node 2 -m trainer fit configs/gpt2-small-ddp.yaml
   trainer print-config configs/tiny.yaml
   trainer plot runs/tiny runs/tiny-lr3e-4
+  trainer export runs/llama out/llama
 """
 
 
@@ -51,9 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*", help=over)
     e.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
     e.add_argument("--dump-code", metavar="DIR", help="write the code Inductor generated, per graph, into DIR")
+    e.add_argument("--verbose", action="store_true", help="also list the kernel patterns nearly matched, and why not")
     pl = sub.add_parser("plot", help="plot loss, tokens/s and lr of one or more runs to a PNG")
     pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (holding metrics.jsonl)")
     pl.add_argument("-o", "--out", help="PNG path (default: <first run>/plot.png)")
+    ex = sub.add_parser("export", help="write a model.hf run's last checkpoint as a Hugging Face model directory")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.yaml and checkpoints/)")
+    ex.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (AutoModelForCausalLM.from_pretrained)")
     return p
 
 
@@ -107,11 +112,13 @@ def _run(args) -> int:
 
         print(plot_runs(args.runs, args.out))
         return 0
+    if args.command == "export":
+        return _export(args.run_dir, args.out_dir)
     overrides, resume = _split_resume(args.overrides)
     if args.command == "explain" and resume:
         raise ValueError("resume: not supported by explain")
     if args.command == "explain":
-        return _explain(args.config, overrides, args.steps, args.dump_code)
+        return _explain(args.config, overrides, args.steps, args.dump_code, args.verbose)
     cfg = load_config(args.config, overrides)
     from trainer.loop import Trainer, TrainingError
 
@@ -125,7 +132,7 @@ def _run(args) -> int:
     return 0
 
 
-def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None) -> int:
+def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None, verbose: bool = False) -> int:
     """Run a few compiled steps in a scratch run directory and print the compile report."""
     import contextlib
     import json
@@ -150,7 +157,7 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     if os.environ.get("RANK", "0") != "0":  # rank 0 alone writes the report (each rank has its own scratch dir)
         return 0
     report = json.loads((Path(scratch) / "compile_report.json").read_text())
-    print(format_text(report))
+    print(format_text(report, verbose))
     if cfg.distributed.strategy == "ddp":
         from trainer.build import ddp_plan_report
 
@@ -163,6 +170,50 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
         print(f"generated code: {len(files)} file(s) in {dump_dir}")
         for f in files:
             print(f"  {f}")
+    return 0
+
+
+def _export(run_dir: str, out_dir: str) -> int:
+    """Rebuild a ``model.hf`` run's model from its config.yaml, load its last checkpoint (model.pt, or an fsdp
+    run's DCP shards read whole) and write it with ``save_pretrained``, the run's config.yaml beside it."""
+    import shutil
+    from pathlib import Path
+
+    from trainer import checkpoint
+    from trainer.config import load_config
+
+    run, out = Path(run_dir), Path(out_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"export: no such run directory: {run}")
+    config = run / "config.yaml"
+    if not config.is_file():
+        raise FileNotFoundError(f"export: {run} is not a run directory (no config.yaml)")
+    cfg = load_config(config)
+    if cfg.model.hf is None:
+        model = f"model.target {cfg.model.target}" if cfg.model.target else f"the built-in GPT ({cfg.model.preset})"
+        raise ValueError(f"export: {run} trained {model}; export writes a Hugging Face model and needs a run of a "
+                         "model.hf model")  # fmt: skip
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export: OUT_DIR {out} is a file; expected a directory to write")
+    if out.resolve() == run.resolve():
+        raise ValueError("export: OUT_DIR is the run directory; name a directory of its own")
+    if not (run / "checkpoints" / checkpoint.LAST).is_file():
+        raise checkpoint.CheckpointError(
+            f"export: no complete checkpoint in {run / 'checkpoints'} (the run saved none: checkpoint.enabled=false, "
+            "or it stopped before its first save)"
+        )
+    path = checkpoint.resolve("last", run)
+    from trainer.models.hf import build_hf_model, save_pretrained
+
+    m = cfg.model
+    try:  # random weights (no download): the checkpoint's replace them
+        model = build_hf_model(m.hf, overrides=dict(m.hf_overrides))
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"export: rebuilding the model of {config}: {e}") from None
+    meta = checkpoint.load_model_weights(path, model)
+    save_pretrained(model, out, source=m.hf)
+    shutil.copy2(config, out / "trainer_config.yaml")
+    print(f"exported {path} (step {meta.get('step')}) to {out}")
     return 0
 
 

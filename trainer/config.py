@@ -26,6 +26,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer.compile.patterns import KERNEL_NAMES
 from trainer.models.presets import PRESETS
 
 
@@ -33,8 +34,8 @@ class ConfigError(ValueError):
     """A user error in a config file, an override or a CLI argument (exit status 2)."""
 
 
-def _f(default: Any = dataclasses.MISSING, *, choices=None, ge=None, gt=None, factory=None):
-    meta = {k: v for k, v in (("choices", choices), ("ge", ge), ("gt", gt)) if v is not None}
+def _f(default: Any = dataclasses.MISSING, *, choices=None, ge=None, gt=None, factory=None, names=None):
+    meta = {k: v for k, v in (("choices", choices), ("ge", ge), ("gt", gt), ("names", names)) if v is not None}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -51,7 +52,8 @@ class RunConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     preset: str | None = _f("tiny", choices=["tiny", "gpt2-small", "gpt2-medium"])
-    """Built-in GPT size (tiny | gpt2-small | gpt2-medium); null with model.target."""
+    """Built-in GPT size (tiny | gpt2-small | gpt2-medium); null with model.target; ignored (set to null) with
+    model.hf."""
     n_layer: int | None = _f(None, gt=0)
     """Number of transformer blocks; overrides the preset."""
     n_head: int | None = _f(None, gt=0)
@@ -62,20 +64,6 @@ class ModelConfig:
     """Dropout probability (0 disables dropout)."""
     bias: bool = True
     """Biases in linear layers and LayerNorms, as GPT-2."""
-    fused_loss: bool | None = None
-    """Fused linear + cross-entropy Triton kernel for the head and loss (never materialises the logits);
-    null = on with compile.autograd on a GPU, where it saves compiled autograd's second logits buffer, unless
-    model.cross_entropy=triton; else off."""
-    cross_entropy: str = _f("auto", choices=["auto", "torch", "triton"])
-    """Built-in GPT, when fused_loss is off: the loss over the (tokens x vocab) logits. torch: F.cross_entropy
-    (compiled by Inductor); triton: our kernel writes the logits' gradient over them in the forward (one pass
-    over the logits instead of Inductor's two, same memory); auto: triton on CUDA unless fp16 or
-    model.fused_loss is on, else torch."""
-    layer_norm: str = _f("auto", choices=["auto", "torch", "triton"])
-    """Built-in GPT: torch: nn.LayerNorm and the residual adds, compiled by Inductor; triton: each residual add
-    and the LayerNorm that reads it in one Triton kernel forward and one backward (the sum is saved, not the
-    normalised tensor; with dropout 0 the attention projection's bias is added there too); auto: triton on CUDA,
-    else torch."""
     attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
     with torch 2.11; scripts/bench_attention.py times them). Checked on the device at startup."""
@@ -84,10 +72,35 @@ class ModelConfig:
     forward(idx, targets) returns the loss (or a tuple ending in it)."""
     kwargs: dict[str, Any] = _f(factory=dict)
     """Keyword arguments passed to model.target's factory."""
+    hf: str | None = None
+    """A Hugging Face causal LM: a local directory holding config.json (and its weights), or a hub name (fetched
+    where the machine can download). Sets model.preset to null; the built-in GPT's keys are errors with it (change
+    the model through model.hf_overrides). Needs pip install -e '.[hf]'."""
+    hf_overrides: dict[str, Any] = _f(factory=dict)
+    """Fields of model.hf's config to change before the model is built, e.g. {num_hidden_layers: 2}."""
+    pretrained: bool = False
+    """model.hf: load its weights (from_pretrained); false initialises it at random from its config (from_config)."""
 
     def __post_init__(self):
         if self.target is not None and ":" not in self.target:
             raise ConfigError(f"model.target: expected 'pkg.module:factory', got {self.target!r}")
+        if self.hf is None:
+            for key in ("hf_overrides", "pretrained"):
+                if getattr(self, key):
+                    raise ConfigError(f"model.{key}: applies to a Hugging Face model only; set model.hf")
+            return
+        if self.target is not None:
+            raise ConfigError("model.hf: model.hf and model.target name two different models; set one of them")
+        gpt_keys = {"n_layer": self.n_layer is not None, "n_head": self.n_head is not None,
+                    "n_embd": self.n_embd is not None, "dropout": self.dropout != 0.0,
+                    "bias": not self.bias}  # fmt: skip
+        for key, chosen in gpt_keys.items():
+            if chosen:
+                raise ConfigError(
+                    f"model.{key}: applies to the built-in GPT only; with model.hf change the Hugging Face config "
+                    "through model.hf_overrides (e.g. {num_hidden_layers: 2, hidden_size: 256})"
+                )
+        self.preset = None  # as model.target would need it: the model's shape is the Hugging Face config's
 
 
 @dataclass(kw_only=True)
@@ -184,6 +197,11 @@ class CompileConfig:
     """Attribute path of the repeated blocks (e.g. transformer.h); found automatically when null."""
     autograd: bool = False
     """Compiled autograd: the backward, with its hooks, captured as one graph."""
+    kernels: Any = _f("auto", names=KERNEL_NAMES)
+    """Our Triton kernels substituted into the captured graphs wherever their pattern appears, in any model: auto
+    (all on CUDA, none on CPU), all (also on CPU, where they run under TRITON_INTERPRET=1 or as torch code), none
+    (plain Inductor), or a list of add_layer_norm, add_rms_norm, cross_entropy, linear_cross_entropy. trainer
+    explain lists each substitution."""
     loss: bool = True
     """With scope=blocks, also compile the model's head_loss(x, targets) (the built-in GPT's norm, head and
     cross-entropy) as its own graph."""
@@ -276,6 +294,7 @@ class Config:
         if (
             self.model.preset is None
             and self.model.target is None
+            and self.model.hf is None
             and None
             in (
                 self.model.n_layer,
@@ -284,7 +303,7 @@ class Config:
             )
         ):
             raise ConfigError("model: set model.preset, model.target, or all of n_layer, n_head and n_embd")
-        if self.model.target is None:
+        if self.model.target is None and self.model.hf is None:
             shape = dict(PRESETS.get(self.model.preset or "", {}))
             shape.update({k: getattr(self.model, k) for k in ("n_embd", "n_head") if getattr(self.model, k)})
             if shape["n_embd"] % shape["n_head"]:
@@ -315,22 +334,10 @@ class Config:
                 "compile.autograd: compiled autograd with distributed.strategy=fsdp is silently wrong in torch "
                 ">= 2.13 (parameters stay unsharded, gradients are not reduced); set compile.autograd=false"
             )
-        if self.model.cross_entropy == "triton" and self.model.fused_loss:
-            raise ConfigError(
-                "model.cross_entropy: 'triton' and model.fused_loss=true are two different loss kernels; the fused "
-                "loss never materialises the logits (less memory), triton is faster: pick one"
-            )
-        if self.model.cross_entropy == "triton" and self.train.precision == "fp16":
-            raise ConfigError(
-                "model.cross_entropy: 'triton' does not support train.precision=fp16 (its weight gradient sums "
-                "unscaled logit gradients over all tokens and can overflow fp16); use torch, or bf16"
-            )
         m = self.model
-        builtin_only = {"fused_loss": m.fused_loss, "cross_entropy": m.cross_entropy == "triton",
-                        "attention": m.attention != "auto", "layer_norm": m.layer_norm == "triton"}  # fmt: skip
-        for key, chosen in builtin_only.items():
-            if chosen and m.target is not None:
-                raise ConfigError(f"model.{key}: applies to the built-in GPT only; drop it with model.target")
+        if m.attention != "auto" and (m.target is not None or m.hf is not None):
+            which = "model.target" if m.target is not None else "model.hf"
+            raise ConfigError(f"model.attention: applies to the built-in GPT only; drop it with {which}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,9 +381,19 @@ _ALL = {key: (f, is_section) for key, f, _, is_section in iter_fields()}
 _OPEN = {key for key, (f, _) in _ALL.items() if "dict" in str(f.type)}
 
 
+_REMOVED = {
+    key: "our kernels reach every model through the compile layer now: use compile.kernels (auto, all, none or a list "
+    "of add_layer_norm, add_rms_norm, cross_entropy, linear_cross_entropy)"
+    for key in ("model.fused_loss", "model.cross_entropy", "model.layer_norm")
+}
+"""Keys of earlier versions, and what replaces them (CHANGELOG.md)."""
+
+
 def _check_key(key: str, where: str) -> None:
     if key in _ALL or any(key.startswith(o + ".") for o in _OPEN):
         return
+    if key in _REMOVED:
+        raise ConfigError(f"{key}: removed (in {where}); {_REMOVED[key]}")
     parent, _, leaf = key.rpartition(".")
     if parent and parent in _ALL and not _ALL[parent][1]:
         raise ConfigError(f"{key}: '{parent}' is a value, not a section (in {where})")
@@ -537,7 +554,9 @@ def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> No
         if value is None:
             continue
         problem = None
-        if "choices" in f.metadata and not any(value is c or value == c for c in f.metadata["choices"]):
+        if "names" in f.metadata:
+            problem = _bad_names(value, f.metadata["names"])
+        elif "choices" in f.metadata and not any(value is c or value == c for c in f.metadata["choices"]):
             choices = [_yaml_value(c) for c in f.metadata["choices"]]
             near = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0]}'?" if near else ""
@@ -548,6 +567,21 @@ def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> No
             problem = f"got {value}, expected a value >= {f.metadata['ge']}"
         if problem:
             raise ConfigError(_with_origin(f"{key}: {problem}", origin or {}, path))
+
+
+def _bad_names(value: Any, names: tuple[str, ...]) -> str | None:
+    """What is wrong with a value that is auto, all, none or a list of ``names`` (None if nothing)."""
+    if isinstance(value, str) and value in ("auto", "all", "none"):
+        return None
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else None
+    if items is None:
+        return f"got {value!r}, expected auto, all, none or a list of {', '.join(names)}"
+    for item in items:
+        if item not in names:
+            near = difflib.get_close_matches(str(item), names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            return f"unknown kernel {item!r}, expected auto, all, none or a list of {', '.join(names)}{hint}"
+    return None
 
 
 def _yaml_value(value: Any) -> str:

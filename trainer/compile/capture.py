@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -120,7 +121,8 @@ def inductor_options(mode: str = "default", user: dict | None = None, dynamic: b
     return options
 
 
-KERNEL_OPS = ("add_layer_norm", "add_layer_norm_backward", "linear_cross_entropy", "linear_cross_entropy_saved")
+KERNEL_OPS = ("add_layer_norm", "add_layer_norm_backward", "add_rms_norm", "add_rms_norm_backward",
+              "linear_cross_entropy", "linear_cross_entropy_saved")  # fmt: skip
 """Our ``torch.library`` ops (``trainer::<name>``), for :func:`register_kernel_fallbacks`."""
 
 
@@ -136,6 +138,7 @@ def register_kernel_fallbacks() -> list[str]:
     the message lazily. Where Inductor's internals moved, nothing is registered and Inductor does it itself.
     """
     import trainer.compile.kernels.add_layer_norm  # noqa: F401 - defines the ops
+    import trainer.compile.kernels.add_rms_norm  # noqa: F401
     import trainer.compile.kernels.linear_cross_entropy  # noqa: F401
 
     try:
@@ -154,18 +157,79 @@ def register_kernel_fallbacks() -> list[str]:
     return done
 
 
-def compile_kwargs(backend: str, mode: str, fullgraph: bool, dynamic: bool | None, options: dict | None = None) -> dict:
+def compile_kwargs(
+    backend: str,
+    mode: str,
+    fullgraph: bool,
+    dynamic: bool | None,
+    options: dict | None = None,
+    kernels: Iterable[str] = (),
+) -> dict:
     """``torch.compile``'s keyword arguments; with Inductor, ``mode`` goes in as its options (:func:`inductor_options`),
-    so the trainer's defaults and the user's options combine with any mode."""
+    so the trainer's defaults and the user's options combine with any mode. With ``kernels`` (names of
+    :data:`trainer.config.KERNEL_NAMES`), the backend is :func:`inner_backend`: our kernels substituted first."""
     kwargs = dict(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if backend != "inductor":
         if mode != "default":
             raise ValueError(f"compile.mode: '{mode}' needs compile.backend=inductor (got '{backend}')")
         check_inductor_options(backend, options)
-        return kwargs
-    kwargs["options"] = inductor_options(mode, options, dynamic)
-    register_kernel_fallbacks()
+    else:
+        kwargs["options"] = inductor_options(mode, options, dynamic)
+        register_kernel_fallbacks()
+    if kernels:
+        kwargs["backend"] = inner_backend(backend, mode, options, kernels, dynamic)
+        kwargs.pop("options", None)  # inside the backend
     return kwargs
+
+
+def inner_backend(
+    backend: str,
+    mode: str = "default",
+    options: dict | None = None,
+    kernels: Iterable[str] = (),
+    dynamic: bool | None = None,
+) -> Callable:
+    """A Dynamo backend callable: ``backend`` by name (Inductor with ``mode``'s options, the trainer's defaults and
+    ``options``), with our ``kernels`` substituted into each graph before it (:mod:`trainer.compile.patterns`).
+    The distributed layer's graph splitter hands each piece to it."""
+    from trainer.compile.patterns import substituting
+
+    patches = compile_kwargs(backend, mode, False, dynamic, options).get("options")  # checks them
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        inner = functools.partial(compile_fx, config_patches=patches)
+    else:
+        inner = torch._dynamo.lookup_backend(backend)
+    return substituting(inner, kernels)
+
+
+def resolve_kernels(value, device_type: str) -> list[str]:
+    """``compile.kernels`` as the list of kernel names it means on ``device_type`` (auto: all on CUDA, none
+    elsewhere)."""
+    from trainer.compile.patterns import KERNEL_NAMES
+
+    if value == "auto":
+        return list(KERNEL_NAMES) if device_type == "cuda" else []
+    if value == "all":
+        return list(KERNEL_NAMES)
+    if value == "none":
+        return []
+    return [k for k in KERNEL_NAMES if k in value]
+
+
+class LossOnly(nn.Module):
+    """What the trainer calls: the model's forward and the loss picked from its output, so that whatever else the
+    model returns (nanoGPT's logits) is dead in the compiled graph."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, targets):
+        from trainer.models import loss_of
+
+        return loss_of(self.model(idx, targets))
 
 
 def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside: bool = False) -> nn.Module:
@@ -176,18 +240,19 @@ def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside:
     callable, replaces ``cfg.backend``/``cfg.mode`` (the distributed layer passes its graph
     splitter, which applies them to each piece).
 
-    With ``scope: model`` the returned module is the ``torch.compile`` wrapper (the original is
-    its ``_orig_mod``); with ``scope: blocks`` the model itself, its blocks compiled in place and,
+    With ``scope: model`` the returned module is the ``torch.compile`` wrapper of :class:`LossOnly` around the
+    model (which returns the loss alone); with ``scope: blocks`` the model itself, its blocks compiled in place and,
     with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph.
     """
-    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options))
+    kernels = cfg.kernels if isinstance(cfg.kernels, list | tuple) else ()  # resolved (build.resolve_auto)
+    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options), kernels)
     if backend is not None:
-        kwargs.pop("options", None)  # the splitter applies them to each piece
+        kwargs.pop("options", None)  # the splitter applies them (and the kernels) to each piece
         kwargs["backend"] = backend
     if cfg.scope == "model":
         if not cfg.loss:
             say("compile.loss=false has no effect with compile.scope=model: the loss is inside the model's graph")
-        return torch.compile(model, **kwargs)
+        return torch.compile(LossOnly(model), **kwargs)
     _, blocks = find_blocks(model, cfg.blocks)
     for block in blocks:
         if hooks_outside:

@@ -212,6 +212,9 @@ class CompileWatcher:
         self._captures_seen = self._counters0[("compiled_autograd", "captures")]
         self._breaks_capture.attach()
         self._install_callback()
+        from trainer.compile.patterns import LOG
+
+        LOG.clear()  # this run's substitutions
         self.active = True
         return self
 
@@ -413,6 +416,8 @@ class CompileWatcher:
         count = {k: sum(1 for c in graphs if c["kind"] == k) for k in ("forward", "aot_backward", "compiled_autograd")}
         phases = {p: round(sum(c["phases_s"][p] for c in self._compiles), 6) for p in PHASES}
         breaks = sorted(self._breaks.values(), key=lambda b: (b["file"] or "", b["line"] or 0))
+        from trainer.compile.patterns import LOG
+
         return {
             "torch_version": torch.__version__,
             "graphs": {
@@ -429,6 +434,9 @@ class CompileWatcher:
             "compile_time_s": {**phases, "total": round(sum(c["compile_time_s"] for c in self._compiles), 6)},
             "cache": {k: delta(g, k) for g, keys in CACHE_COUNTERS.items() for k in keys},
             "compiled_autograd_captures": delta("compiled_autograd", "captures"),
+            # Our kernels substituted into the graphs (trainer/compile/patterns.py), and the near-misses left alone.
+            "kernels": LOG.report(),
+            "kernel_near_misses": [{"name": n, "source": src, "reason": r} for n, src, r in LOG.near_misses],
             # Frames Dynamo gave up on (a break it cannot resume from, or an error suppressed): they run eagerly.
             "not_compiled": [
                 {k: c[k] for k in ("compile_id", "function", "where")} | {"error": c["failed"]}
@@ -462,8 +470,9 @@ def _advice(reason: str) -> str | None:
     return next((text for needle, text in _ADVICE if needle in reason), None)
 
 
-def format_text(report: dict[str, Any]) -> str:
-    """A summary of ``report`` a user can act on: each graph break with its reason and source line, each recompile."""
+def format_text(report: dict[str, Any], verbose: bool = False) -> str:
+    """A summary of ``report`` a user can act on: each graph break with its reason and source line, each recompile,
+    each kernel substituted (``verbose``: also each near-miss left alone, and why)."""
     g, t, c = report["graphs"], report["compile_time_s"], report["cache"]
     lines = [
         f"Compile report (torch {report['torch_version']})",
@@ -506,7 +515,21 @@ def format_text(report: dict[str, Any]) -> str:
     for f in report["not_compiled"]:
         where = f" ({f['where']})" if f["where"] else ""
         lines.append(f"Not compiled, runs eagerly: {f['function']}{where} [{f['compile_id']}]: {_summary(f['error'])}")
+    lines += _kernel_lines(report.get("kernels", []), report.get("kernel_near_misses", []), verbose)
     return "\n".join(lines)
+
+
+def _kernel_lines(kernels: list[dict], misses: list[dict], verbose: bool) -> list[str]:
+    total = sum(k["count"] for k in kernels)
+    lines = [f"Kernels substituted: {total}" + ("" if total else " (compile.kernels, or no pattern matched)")]
+    for k in kernels:
+        lines.append(f"  {k['name']} x{k['count']}: {', '.join(k['sources']) or '(source line unknown)'}")
+    if verbose:
+        lines.append(f"Near-misses left alone: {len(misses)}")
+        lines += [f"  {m['name']} at {m['source']}: {m['reason']}" for m in misses]
+    elif misses:
+        lines.append(f"Near-misses left alone: {len(misses)} (trainer explain --verbose lists them)")
+    return lines
 
 
 @contextlib.contextmanager

@@ -319,16 +319,3 @@ def _split_and_compile(gm, example_inputs, partition, inner, compiler_configs):
         submod_compiler.run(*example_inputs)
     split_gm.recompile()
     return split_gm
-
-
-def inner_backend(backend: str, mode: str = "default", options: dict | None = None) -> Callable:
-    """The compiler each graph piece goes to: ``backend`` by name; Inductor with ``mode``'s options, the
-    trainer's defaults and ``options`` (:func:`trainer.compile.capture.inductor_options`)."""
-    from trainer.compile.capture import compile_kwargs
-
-    patches = compile_kwargs(backend, mode, False, None, options).get("options")  # checks them, as for torch.compile
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return functools.partial(compile_fx, config_patches=patches)
-    return torch._dynamo.lookup_backend(backend)

@@ -2,7 +2,8 @@
 
 A user's model is ``model.target: "pkg.module:factory"`` with ``model.kwargs``; the factory
 returns an ``nn.Module`` whose ``forward(idx, targets)`` returns the loss, or a tuple whose
-last item is the loss (nanoGPT's ``(logits, loss)`` works unchanged).
+last item is the loss (nanoGPT's ``(logits, loss)`` works unchanged). A Hugging Face causal LM is
+``model.hf`` (:mod:`trainer.models.hf`), adapted to the same contract.
 """
 
 from __future__ import annotations
@@ -27,18 +28,26 @@ def build_model(
     n_embd: int | None = None,
     dropout: float = 0.0,
     bias: bool = True,
-    fused_loss: bool = False,
     attention: str = "auto",
-    cross_entropy: str = "torch",
-    layer_norm: str = "torch",
     target: str | None = None,
     kwargs: dict | None = None,
+    hf: str | None = None,
+    hf_overrides: dict | None = None,
+    pretrained: bool = False,
 ) -> nn.Module:
-    """Build the built-in GPT (a preset, optionally resized) or a user's model from ``target``.
+    """Build the built-in GPT (a preset, optionally resized), a user's model from ``target``, or a Hugging Face
+    causal LM from ``hf`` (:func:`trainer.models.hf.build_hf_model`: its vocabulary must hold ``vocab_size``, its
+    positions ``seq_len``; the GPT's shape arguments do not apply to it).
 
     Raises:
-        ValueError: the target cannot be imported, is not callable, or returns no ``nn.Module``.
+        ValueError: the target cannot be imported, is not callable, or returns no ``nn.Module``; the hf model
+            cannot be loaded or does not fit the data.
+        FileNotFoundError: ``hf`` names a directory that does not exist.
     """
+    if hf is not None:
+        from trainer.models.hf import build_hf_model
+
+        return build_hf_model(hf, overrides=hf_overrides, pretrained=pretrained, vocab_size=vocab_size, seq_len=seq_len)
     if target is not None:
         return _build_user_model(target, kwargs or {})
     shape = gpt_shape(preset, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
@@ -47,10 +56,7 @@ def build_model(
         block_size=seq_len,
         dropout=dropout,
         bias=bias,
-        fused_loss=fused_loss,
         attention=attention,
-        cross_entropy=cross_entropy,
-        layer_norm=layer_norm,
         **shape,
     )
     return GPT(cfg)

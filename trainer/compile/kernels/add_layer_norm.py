@@ -45,7 +45,7 @@ from torch import Tensor
 
 from trainer.compile.kernels.runtime import autocast_dtype, interpreted, triton_can_run
 
-__all__ = ["add_layer_norm", "layer_norm"]
+__all__ = ["add_layer_norm", "add_layer_norm_op", "layer_norm"]
 
 _MAX_COLS = 16384  # one row per program tile; wider rows would spill registers
 
@@ -433,23 +433,34 @@ def add_layer_norm(
     gradient into ``s``, comes out of this op's backward pass instead of a reduction of its own);
     gradients come back in each input's dtype.
     """
-    if inc.shape != x.shape:
-        raise ValueError(f"x and inc must have one shape, got {tuple(x.shape)} and {tuple(inc.shape)}")
-    _check(x, weight, bias)
-    if inc_bias is not None and inc_bias.shape != weight.shape:
-        raise ValueError(f"expected inc_bias of shape ({x.shape[-1]},), got {tuple(inc_bias.shape)}")
-    shape = x.shape
-    s, y, _, _ = _fwd_op(
-        x.reshape(-1, shape[-1]).contiguous(), inc.reshape(-1, shape[-1]).contiguous(), _dense(inc_bias),
-        _dense(weight), _dense(bias), eps, autocast_dtype(x),
-    )  # fmt: skip
-    return s.view(shape), y.view(shape)
+    return add_layer_norm_op(x, inc, weight, bias, eps, autocast_dtype(x), inc_bias=inc_bias)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """``F.layer_norm(x, ...)`` over the last dim, in the autocast dtype under autocast (see ``add_layer_norm``)."""
+    return add_layer_norm_op(x, None, weight, bias, eps, autocast_dtype(x))[1]
+
+
+def add_layer_norm_op(
+    x: Tensor,
+    inc: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+    inc_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`add_layer_norm` with the output dtype given (what a graph rewrite knows the readers want); without
+    ``inc`` the plain LayerNorm of ``x``, and ``s`` is ``x`` itself."""
     _check(x, weight, bias)
+    if inc is not None and inc.shape != x.shape:
+        raise ValueError(f"x and inc must have one shape, got {tuple(x.shape)} and {tuple(inc.shape)}")
+    if inc_bias is not None and inc is None:
+        raise ValueError("add_layer_norm: inc_bias without inc")
+    if inc_bias is not None and inc_bias.shape != weight.shape:
+        raise ValueError(f"expected inc_bias of shape ({x.shape[-1]},), got {tuple(inc_bias.shape)}")
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    _, y, _, _ = _fwd_op(x2, None, None, _dense(weight), _dense(bias), eps, autocast_dtype(x))
-    return y.view(shape)
+    x2 = x.reshape(-1, shape[-1]).contiguous()  # (rows, C)
+    inc2 = inc.reshape(-1, shape[-1]).contiguous() if inc is not None else None
+    s, y, _, _ = _fwd_op(x2, inc2, _dense(inc_bias), _dense(weight), _dense(bias), eps, out_dtype)
+    return (s.view(shape) if inc is not None else x), y.view(shape)

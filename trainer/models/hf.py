@@ -1,0 +1,241 @@
+"""Hugging Face causal LMs as trainer models: ``model.hf``, ``model.hf_overrides``, ``model.pretrained``.
+
+:class:`HFCausalLM` holds the transformers model as its one submodule ``hf``, so:
+
+- its state-dict keys are the Hugging Face model's under ``hf.`` (:func:`save_pretrained` writes them without it);
+- the repeated blocks are where transformers keeps them, ``hf.model.layers`` (Llama, Mistral, Qwen) or
+  ``hf.transformer.h`` (GPT-2): :func:`trainer.compile.capture.find_blocks` finds them, and ``compile.blocks``
+  names them by those paths;
+- tied embeddings (GPT-2's ``wte`` and ``lm_head``) are one ``nn.Parameter`` that ``.to(device)`` and
+  ``load_state_dict`` keep shared.
+
+The loss is computed here, not by transformers: the trainer's targets are already shifted (``targets[t]`` is the
+token after ``idx[t]``), and ``labels=`` would shift them again.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+INSTALL = "pip install -e '.[hf]'"
+# Files of a local model directory that describe its tokenizer and generation: copied beside an export.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM under the user-model contract: ``forward(idx, targets)`` returns the scalar loss.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` model (``base_model`` gives the hidden states, its output
+            embeddings are the LM head).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.hf = model
+        head = model.get_output_embeddings()
+        assert head is not None, f"{type(model).__name__} has no output embeddings (LM head)"
+        # Names, not module references: a second reference would register the module twice (two state-dict keys).
+        self._head_path = next(name for name, mod in model.named_modules() if mod is head)
+        self._base_name = model.base_model_prefix
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) token ids and (B, T) next-token targets -> the mean cross-entropy; without targets, the logits."""
+        h = getattr(self.hf, self._base_name)(input_ids=idx, use_cache=False)[0]  # (B, T, C): last hidden state
+        if targets is None:
+            return self.logits(h)  # (B, T, V)
+        return self.head_loss(h, targets)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over the last hidden state, with the model's own logit scaling: (B, T, C) -> (B, T, V)."""
+        logits = self.hf.get_submodule(self._head_path)(h)
+        cfg = self.hf.config
+        if getattr(cfg, "logit_scale", None) is not None:  # Cohere multiplies its logits
+            logits = logits * cfg.logit_scale
+        if getattr(cfg, "logits_scaling", None) is not None:  # Granite divides them
+            logits = logits / cfg.logits_scaling
+        if getattr(cfg, "final_logit_softcapping", None) is not None:  # Gemma 2 and 3 soft-cap them
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """LM head and mean cross-entropy over the last hidden state: (B, T, C), (B, T) -> scalar.
+
+        Its own method so that ``compile.scope: blocks`` compiles it as one more graph (``compile.loss``), and
+        written as ``cross_entropy(linear(h, W), targets)`` in plain torch calls so that the compile layer's
+        graph passes recognise the head and loss of any model.
+        """
+        logits = self.logits(h)  # (B, T, V)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), the nanoGPT / PaLM-appendix convention: 6N + 12·L·A·T.
+
+        N counts every parameter except the embedding tables (``nn.Embedding``: token and learned position
+        embeddings, which are lookups, not matmuls) plus the LM head's matmul (V x C), also when it is tied to the
+        token embedding. The attention term is the score and value matmuls over the whole T x T square (not halved
+        for the causal mask), forward and backward: L layers, A = heads x head size (the hidden size for most
+        models), T = ``seq_len``. Sliding-window attention, MoE routing and logit soft-capping are not counted
+        apart: for an MoE model N counts every expert, an upper bound.
+        """
+        cfg = self.hf.config
+        embeddings = {id(m.weight) for m in self.hf.modules() if isinstance(m, nn.Embedding)}
+        n = sum(p.numel() for p in self.hf.parameters() if id(p) not in embeddings)
+        head = self.hf.get_submodule(self._head_path).weight
+        if id(head) in embeddings:  # tied: the table is also the head's matrix
+            n += head.numel()
+        n_head = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+        return 6.0 * n + 12.0 * cfg.num_hidden_layers * n_head * head_dim * seq_len
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"model.hf: needs the transformers package; install it with: {INSTALL}") from None
+    return transformers
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def _source(name: str) -> tuple[str, bool]:
+    """``(what transformers reads, whether it is a local directory)`` for ``model.hf``."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.hf: {path} holds no config.json; expected a Hugging Face model directory")
+        return str(path), True
+    if path.exists():
+        raise ValueError(f"model.hf: {path} is a file; expected a directory holding config.json, or a hub name")
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name:  # a path, not "org/name"
+        raise FileNotFoundError(f"model.hf: no such directory: {name}")
+    return name, False
+
+
+def load_hf_config(name: str, overrides: dict[str, Any] | None = None):
+    """The transformers config of ``model.hf`` (a local directory or a hub name) with ``model.hf_overrides``.
+
+    Raises:
+        ValueError, FileNotFoundError: no transformers, a missing directory, a hub name that cannot be fetched,
+            an override that names no field of the config.
+    """
+    transformers = _transformers()
+    source, local = _source(name)
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+    except OSError as e:
+        if local:
+            raise ValueError(f"model.hf: cannot read {source}/config.json: {_first_line(e)}") from None
+        raise ValueError(
+            f"model.hf: '{name}' is no local directory and cannot be fetched from the Hugging Face hub "
+            f"({_first_line(e).rstrip('.')}). Download it on a machine with network access (e.g. `hf download {name} "
+            "--local-dir DIR`), copy DIR here and pass the local directory: model.hf=DIR"
+        ) from None
+    except ValueError as e:  # e.g. an unknown model_type
+        raise ValueError(f"model.hf: {source}: {_first_line(e)}") from None
+    for key, value in (overrides or {}).items():
+        if not hasattr(config, key):
+            import difflib
+
+            near = difflib.get_close_matches(key, list(config.to_dict()), n=1, cutoff=0.6)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ValueError(f"model.hf_overrides.{key}: not a field of {type(config).__name__}{hint}")
+        setattr(config, key, value)
+    return config
+
+
+def build_hf_model(
+    name: str,
+    *,
+    overrides: dict[str, Any] | None = None,
+    pretrained: bool = False,
+    vocab_size: int | None = None,
+    seq_len: int | None = None,
+) -> HFCausalLM:
+    """The :class:`HFCausalLM` of ``model.hf``: its weights (``pretrained``) or a random init from its config.
+
+    The parameters are fp32 whatever the checkpoint's dtype (the trainer's precision is autocast's), attention is
+    torch's scaled-dot-product attention (``sdpa``).
+
+    Args:
+        name: a local directory holding config.json (and the weights for ``pretrained``), or a hub name.
+        overrides: config fields to change (``model.hf_overrides``).
+        pretrained: load the weights (``from_pretrained``), else initialise from the config (``from_config``).
+        vocab_size: the data's vocabulary; it must fit the model's (None: not checked).
+        seq_len: the training sequence length; at most the model's positions where it has a limit (None: not checked).
+
+    Raises:
+        ValueError, FileNotFoundError: a user error, naming the key to change.
+    """
+    transformers = _transformers()
+    config = load_hf_config(name, overrides)
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        raise ValueError(
+            f"data.vocab_size: the data's vocabulary ({vocab_size} tokens) is larger than model.hf's "
+            f"({config.vocab_size}, vocab_size in its config): the embedding would not cover every token id. Use data "
+            "tokenized for this model, or a larger model.hf_overrides.vocab_size (with model.pretrained=false)"
+        )
+    positions = getattr(config, "max_position_embeddings", None)  # GPT-2's n_positions, through its attribute map
+    if seq_len is not None and positions is not None and seq_len > positions:
+        raise ValueError(
+            f"data.seq_len: {seq_len} is longer than model.hf's context ({positions} positions, "
+            "max_position_embeddings or n_positions in its config); lower data.seq_len"
+        )
+    kwargs = dict(attn_implementation="sdpa", **_dtype_kwarg(transformers, torch.float32))
+    auto = transformers.AutoModelForCausalLM
+    try:
+        if pretrained:
+            model = auto.from_pretrained(_source(name)[0], config=config, **kwargs)
+        else:
+            model = auto.from_config(config, **kwargs)
+    except OSError as e:  # no weights in the directory, or none to download
+        raise ValueError(
+            f"model.pretrained: cannot load the weights of '{name}': {_first_line(e)}; set model.pretrained=false "
+            "to initialise the model at random from its config"
+        ) from None
+    except ValueError as e:  # not a causal LM, or no sdpa for this architecture
+        raise ValueError(f"model.hf: {name}: {_first_line(e)}") from None
+    except RuntimeError as e:  # the weights' shapes do not fit a config changed by model.hf_overrides
+        raise ValueError(f"model.hf_overrides: the weights of '{name}' do not fit the changed config: "
+                         f"{_first_line(e)}") from None  # fmt: skip
+    return HFCausalLM(model)
+
+
+def _dtype_kwarg(transformers, dtype: torch.dtype) -> dict:
+    """transformers >= 4.56 names the argument ``dtype`` and warns on ``torch_dtype``, which older ones need."""
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def save_pretrained(model: HFCausalLM, out_dir: str | Path, source: str | None = None) -> Path:
+    """Write ``model`` as a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads (the
+    weights without the adapter's ``hf.`` prefix, and config.json); with ``source`` a local directory, its tokenizer
+    and generation files are copied beside them."""
+    out = Path(out_dir)
+    model.hf.save_pretrained(out)
+    src = Path(source).expanduser() if source else None
+    if src is not None and src.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file() and not (out / name).exists():
+                shutil.copy2(src / name, out / name)
+    return out
