@@ -57,8 +57,8 @@ def overrides(name: str, root: str | Path) -> list[str]:
         return [f"model.preset={s['preset']}", f"data.vocab_size={s['vocab']}"]
     if s["kind"] == "target":
         kwargs = "{" + ", ".join(f"{k}: {v}" for k, v in s["kwargs"].items()) + "}"
-        return ["model.preset=null", f"model.target={s['target']}", f"model.kwargs={kwargs}"]
-    return ["model.preset=null", f"model.hf={hf_dir(name, root)}"]
+        return ["model.preset=null", f"model.target={s['target']}", f"model.kwargs={kwargs}", "data.vocab_size=null"]
+    return ["model.preset=null", f"model.hf={hf_dir(name, root)}", "data.vocab_size=null"]  # the bytes fit
 
 
 def build(name: str, root: str | Path, seq: int) -> nn.Module:
