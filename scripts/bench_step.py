@@ -138,12 +138,15 @@ def run_ours(a, overrides: list[str], cache_dir: str) -> dict:
     )  # fmt: skip
     s = Trainer(cfg).fit()
     median = s["median_step_s"]
+    report = Path(run_dir) / "compile_report.json"
+    kernels = json.loads(report.read_text())["kernels"] if report.exists() else []
     return {
         "tokens_per_s": a.batch * a.seq / median,
         "step_ms": median * 1e3,
         "first_step_s": s["first_step_s"],
         "peak_mem_gb": s["peak_mem_gb"],
         "final_loss": s["loss"],
+        "kernels": {k["name"]: k["count"] for k in kernels},  # what the compile layer substituted
     }
 
 
