@@ -228,6 +228,9 @@ class _Add:
     linear: fx.Node | None = None
 
 
+_DROPOUT = object()  # the residual add reads a live dropout
+
+
 def _residual_add(n, fold_bias: bool) -> _Add | None:
     ops = _add_operands(n)
     if ops is None:
@@ -241,6 +244,8 @@ def _residual_add(n, fold_bias: bool) -> _Add | None:
         x, inc = b, a
     else:
         return None
+    if _is_call(inc, F.dropout) and _arg(inc, 1, "p", 0.5) != 0.0 and _arg(inc, 2, "training", True) is not False:
+        return _DROPOUT  # Inductor fuses the dropout, the add and the norm into one kernel: leave them to it
     add = _Add(n, x, inc)
     lin = _skip_dropout0(inc)
     if fold_bias and _is_call(lin, F.linear) and len(lin.users) == 1 and isinstance(_arg(lin, 2, "bias"), fx.Node):
@@ -321,6 +326,9 @@ def _layer_norms(gm, log, order, fold_bias=True) -> None:
             log.miss("add_layer_norm", n, f"rows of {xs[-1]} {_dtype(x)} elements")
             continue
         add = _residual_add(x, fold_bias)
+        if add is _DROPOUT:
+            log.miss("add_layer_norm", n, "a dropout feeds the residual add (Inductor fuses dropout, add and norm)")
+            continue
         if add is not None and _dtype(add.x) != _dtype(n):
             add = None
         _fuse_norm(gm, n, x, add, _add_layer_norm, (weight, bias, eps, _out_dtype(n)), "add_layer_norm", log, order)
@@ -393,6 +401,9 @@ def _rms_norms(gm, log, order) -> None:
             log.miss("add_rms_norm", n, f"rows of {_shape(h)[-1]} elements")
             continue
         add = _residual_add(h, fold_bias=False)
+        if add is _DROPOUT:
+            log.miss("add_rms_norm", n, "a dropout feeds the residual add (Inductor fuses dropout, add and norm)")
+            continue
         if add is not None and _dtype(add.x) != _dtype(n):
             add = None
         _fuse_norm(gm, n, h, add, _add_rms_norm, (w, eps, _out_dtype(n)), "add_rms_norm", log, order)
