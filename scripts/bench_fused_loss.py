@@ -181,7 +181,7 @@ def main() -> None:
         "compile": torch.compile(_eager_loss),
         "fused": lambda x, w, t: _fused_loss(x, w, t, ARGS.chunk_size),
         "fused+compile": torch.compile(lambda x, w, t: _fused_loss(x, w, t, ARGS.chunk_size), fullgraph=True),
-        "saved": _saved_loss,  # save_logit_grads=True: model.cross_entropy=triton
+        "saved": _saved_loss,  # save_logit_grads=True: the cross_entropy kernel of compile.kernels
         "saved+compile": torch.compile(_saved_loss, fullgraph=True),
     }
     results = {}

@@ -295,7 +295,7 @@ def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
 
 def test_kernel_ops_are_registered_as_inductor_fallbacks_up_front():
     """Pins the Inductor internals register_kernel_fallbacks uses (torch 2.11 hangs compiling gpt2-small with
-    layer_norm=triton without it); where they move, it registers nothing and this fails."""
+    our add_layer_norm in every block without it); where they move, it registers nothing and this fails."""
     from torch._inductor.lowering import lowerings
 
     from trainer.compile.capture import KERNEL_OPS, compile_kwargs, register_kernel_fallbacks

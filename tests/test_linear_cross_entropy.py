@@ -333,7 +333,7 @@ def test_gpu_gpt2_head_bf16_autocast_accuracy_and_memory():
     assert ours[3] < 0.25 * eager[3] and ours[3] < 1.5 * 2**30
 
 
-# --- save_logit_grads=True: one (N, V) buffer, gradient matmuls in the backward (model.cross_entropy=triton)
+# --- save_logit_grads=True: one (N, V) buffer, gradient matmuls in the backward (compile.kernels: cross_entropy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -1,4 +1,4 @@
-"""Residual add + LayerNorm in one Triton kernel each way (``model.layer_norm: triton``).
+"""Residual add + LayerNorm in one Triton kernel each way (substituted into captured graphs: compile.kernels).
 
 A pre-LN transformer computes, twice per block, ``s = x + f(h)`` (the residual stream, fp32 under
 autocast, plus a bf16 branch output) and ``h = LayerNorm(s)`` (cast to bf16 by the next matmul).

@@ -35,8 +35,8 @@ both). Chunks are not made as small as x (Liger-Kernel's rule, 256 rows here): e
 V x C product into the fp32 ``grad_W`` (~460 MB of traffic), ~30 GB over 64 chunks against
 ~2 GB over 4. Double backward is not supported.
 
-``save_logit_grads=True`` (``trainer::linear_cross_entropy_saved``, the built-in GPT's
-``model.cross_entropy: triton``) trades the other way, for speed at torch's memory: one cuBLAS
+``save_logit_grads=True`` (``trainer::linear_cross_entropy_saved``, the ``cross_entropy`` kernel of
+``compile.kernels``) trades the other way, for speed at torch's memory: one cuBLAS
 matmul into a full (N, V) logits buffer, the same row kernel overwriting it with the logit
 gradients, and that buffer kept for the backward, where ``dlogits @ W`` and ``dlogits.T @ x`` run
 (scaled after, in fp32). Compiled ``F.cross_entropy`` keeps the same (N, V) buffer (the logits)
