@@ -254,3 +254,26 @@ def test_fx_marks_erased_nodes():
     g.output(x)
     g.erase_node(y)
     assert y._erased is True and x._erased is False
+
+
+class InPlaceResidual(nn.Module):
+    """``x += branch`` mutates x, which the model reads again after the norm: only the norm is ours."""
+
+    def __init__(self, vocab=64, width=32):
+        super().__init__()
+        self.emb, self.lin, self.norm = nn.Embedding(vocab, width), nn.Linear(width, width), nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        e = self.emb(idx)
+        branch = self.lin(e)
+        x = e * 2.0
+        x += branch
+        h = self.norm(x) + x  # reads the mutated x
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def test_an_in_place_residual_add_is_not_fused():
+    # Observed: losses 9e-8 relative, gradients 3e-7 of their largest element.
+    log = _same_training(InPlaceResidual, ["add_layer_norm"], rtol=2e-6, grad_rtol=1e-5)
+    assert {k["name"]: k["count"] for k in log.report()} == {"add_layer_norm": 1}  # the norm alone

@@ -175,13 +175,14 @@ def _arg(n: fx.Node, i: int, name: str, default=None):
     return n.kwargs.get(name, default)
 
 
-_ADDS = (operator.add, operator.iadd, torch.add)
-_MULS = (operator.mul, operator.imul, torch.mul)
+# Out-of-place only: ``x += y`` mutates x, which later readers of x would see; a rewrite would lose that.
+_ADDS = (operator.add, torch.add)
+_MULS = (operator.mul, torch.mul)
 
 
 def _add_operands(n) -> tuple[fx.Node, fx.Node] | None:
     """``(a, b)`` of a tensor ``a + b`` with no alpha, else None."""
-    if _is_call(n, *_ADDS) or _is_method(n, "add", "add_"):
+    if _is_call(n, *_ADDS) or _is_method(n, "add"):
         if len(n.args) == 2 and not n.kwargs and all(isinstance(a, fx.Node) for a in n.args):
             return n.args[0], n.args[1]
     return None
