@@ -15,13 +15,8 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from trainer.compile.report import (
-    CompileWatcher,
-    RecompileLimitError,
-    compile_error_hint,
-    dump_code,
-    format_text,
-)
+from trainer.compile.debug import compile_error_hint, dump_code
+from trainer.compile.report import CompileWatcher, RecompileLimitError, format_text
 
 
 @pytest.fixture(autouse=True)

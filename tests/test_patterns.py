@@ -16,6 +16,16 @@ from tests.conftest import FAST, run_cli
 from trainer.compile.capture import LossOnly
 from trainer.compile.patterns import KERNEL_NAMES, KernelLog, substituting
 
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles LossOnly.forward around new models: start from Dynamo's empty cache, not its recompile
+    limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 # ---- a nanoGPT-shaped GPT with names of its own, returning (logits, loss) --------------------------------------
 
 

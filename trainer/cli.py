@@ -139,7 +139,8 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     import tempfile
     from pathlib import Path
 
-    from trainer.compile.report import dump_code, format_text
+    from trainer.compile.debug import dump_code
+    from trainer.compile.report import format_text
     from trainer.config import load_config
     from trainer.loop import Trainer
 

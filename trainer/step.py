@@ -142,7 +142,7 @@ class TrainStep:
         except Exception as e:
             if not _is_compile_failure(e):
                 raise
-            from trainer.compile.report import compile_error_hint
+            from trainer.compile.debug import compile_error_hint
 
             if self.fallback is None:
                 raise TrainingError(f"{compile_error_hint(e)}\nSet compile.fallback=eager to run eagerly.") from e
