@@ -10,6 +10,7 @@ PACKAGE = ROOT / "trainer"
 KERNEL_LAYERS = {
     "runtime": 1,
     "grad_norm": 1,
+    "rows": 1,
     "adamw": 2,
     "sgd": 2,
     "grad_table": 2,

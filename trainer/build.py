@@ -296,10 +296,10 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
         plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks, cfg.distributed.split_tail)
         if compile and splits_at_buckets(cfg.compile):
             c = cfg.compile
-            from trainer.compile.capture import inner_backend
+            from trainer.compile.capture import enabled_kernels, inner_backend
 
-            kernels = c.kernels if isinstance(c.kernels, list) else ()
-            splitter = ddp.PlanSplitter(plan, inner_backend(c.backend, c.mode, dict(c.inductor_options), kernels))
+            backend = inner_backend(c.backend, c.mode, dict(c.inductor_options), enabled_kernels(c))
+            splitter = ddp.PlanSplitter(plan, backend)
     # A sharded model had its blocks compiled by shard(), before fully_shard.
     if compile and cfg.compile.enabled and not is_sharded(model):
         from trainer.compile.capture import apply_compile

@@ -218,6 +218,12 @@ def resolve_kernels(value, device_type: str) -> list[str]:
     return [k for k in KERNEL_NAMES if k in value]
 
 
+def enabled_kernels(cfg) -> tuple[str, ...]:
+    """The kernels a compile section (``cfg``) substitutes: its list once :func:`trainer.build.resolve_auto` has
+    resolved ``compile.kernels`` for the device; none before."""
+    return tuple(cfg.kernels) if isinstance(cfg.kernels, list | tuple) else ()
+
+
 class LossOnly(nn.Module):
     """What the trainer calls: the model's forward and the loss picked from its output, so that whatever else the
     model returns (nanoGPT's logits) is dead in the compiled graph."""
@@ -244,8 +250,8 @@ def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside:
     model (which returns the loss alone); with ``scope: blocks`` the model itself, its blocks compiled in place and,
     with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph.
     """
-    kernels = cfg.kernels if isinstance(cfg.kernels, list | tuple) else ()  # resolved (build.resolve_auto)
-    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options), kernels)
+    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options),
+                            enabled_kernels(cfg))  # fmt: skip
     if backend is not None:
         kwargs.pop("options", None)  # the splitter applies them (and the kernels) to each piece
         kwargs["backend"] = backend

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from trainer.compile.kernels.rows import plan_programs, sum_parts
 from trainer.compile.kernels.runtime import autocast_dtype, interpreted, triton_can_run
 
 __all__ = ["add_layer_norm", "add_layer_norm_op", "layer_norm"]
@@ -164,36 +165,6 @@ def _add_ln_bwd_kernel(
         tl.store(part + 2 * part_stride, dib, mask=col_ok)
 
 
-@triton.jit
-def _sum_parts_kernel(
-    PARTS,
-    OUT0,
-    OUT1,
-    OUT2,
-    n_parts,
-    n_cols,
-    BLOCK_PARTS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-):
-    """OUTk[c] = sum over p of PARTS[k, p, c] (fp32, in order of p: deterministic), cast to OUTk's
-    dtype; program (k, j) takes columns ``[j * BLOCK_COLS, +BLOCK_COLS)`` of array k."""
-    k = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_ok = cols < n_cols
-    base = PARTS + k.to(tl.int64) * n_parts * n_cols
-    acc = tl.zeros([BLOCK_COLS], tl.float32)
-    for first in range(0, n_parts, BLOCK_PARTS):
-        p = first + tl.arange(0, BLOCK_PARTS)
-        mask = (p < n_parts)[:, None] & col_ok[None, :]
-        acc += tl.sum(tl.load(base + p[:, None] * n_cols + cols[None, :], mask=mask, other=0.0), axis=0)
-    if k == 0:
-        tl.store(OUT0 + cols, acc.to(OUT0.dtype.element_ty), mask=col_ok)
-    elif k == 1:
-        tl.store(OUT1 + cols, acc.to(OUT1.dtype.element_ty), mask=col_ok)
-    else:
-        tl.store(OUT2 + cols, acc.to(OUT2.dtype.element_ty), mask=col_ok)
-
-
 _INTERPRETED = interpreted(_add_ln_fwd_kernel)
 
 
@@ -303,11 +274,6 @@ def _backward_torch(dy, ds, s, weight, mean, rstd, has_bias, inc_dtype, inc_bias
     return dx.to(s.dtype), dinc, dw, db, dib
 
 
-# Column sums finished by one launch: programs of _SUM_COLS columns, _SUM_PARTS partial rows a step.
-_SUM_COLS = 32
-_SUM_PARTS = 64
-
-
 @torch.library.custom_op("trainer::add_layer_norm_backward", mutates_args=())
 def _bwd_op(
     dy: Tensor,
@@ -330,12 +296,7 @@ def _bwd_op(
     dinc = s.new_empty(s.shape, dtype=inc_dtype) if inc_dtype is not None else s.new_empty(0)
     block_cols = triton.next_power_of_2(n_cols)
     block_rows = _block_rows(n_cols, "bwd")
-    # A few programs per SM, each summing its rows' weight gradients in registers.
-    # (Three in the interpreter, so that CPU tests cover the partial sums of several programs.)
-    programs = 3 if _INTERPRETED else PROGRAMS_PER_SM * torch.cuda.get_device_properties(s.device).multi_processor_count
-    programs = max(1, min(programs, triton.cdiv(n_rows, block_rows)))
-    rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, programs), block_rows)) * block_rows
-    programs = max(1, triton.cdiv(n_rows, rows_per_program))
+    programs, rows_per_program = plan_programs(n_rows, block_rows, PROGRAMS_PER_SM, s.device, _INTERPRETED)
     n_sums = 3 if inc_bias_dtype is not None else 2
     parts = (s.new_empty if n_rows else s.new_zeros)((n_sums, programs, n_cols), dtype=torch.float32)
     if n_rows:
@@ -350,9 +311,7 @@ def _bwd_op(
     dib = weight.new_empty(n_cols, dtype=inc_bias_dtype) if inc_bias_dtype is not None else weight.new_empty(0)
     # Arrays without an output (no bias) are summed into a scratch vector: one launch either way.
     outs = [dw, db if has_bias else weight.new_empty(n_cols, dtype=torch.float32), dib]
-    _sum_parts_kernel[(n_sums, triton.cdiv(n_cols, _SUM_COLS))](
-        parts, *outs, programs, n_cols, BLOCK_PARTS=_SUM_PARTS, BLOCK_COLS=_SUM_COLS
-    )
+    sum_parts(parts, outs[:n_sums])
     return dx, dinc, dw, db, dib
 
 

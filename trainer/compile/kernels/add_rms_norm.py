@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from trainer.compile.kernels.rows import plan_programs, sum_parts
 from trainer.compile.kernels.runtime import autocast_dtype, interpreted, triton_can_run
 
 __all__ = ["add_rms_norm", "rms_norm"]
@@ -124,20 +125,6 @@ def _add_rms_bwd_kernel(
     tl.store(PARTS + pid * n_cols + cols, dw, mask=col_ok)
 
 
-@triton.jit
-def _sum_parts_kernel(PARTS, OUT, n_parts, n_cols, BLOCK_PARTS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    """OUT[c] = sum over p of PARTS[p, c] (fp32, in order of p: deterministic), cast to OUT's dtype; program j
-    takes columns ``[j * BLOCK_COLS, +BLOCK_COLS)``."""
-    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_ok = cols < n_cols
-    acc = tl.zeros([BLOCK_COLS], tl.float32)
-    for first in range(0, n_parts, BLOCK_PARTS):
-        p = first + tl.arange(0, BLOCK_PARTS)
-        mask = (p < n_parts)[:, None] & col_ok[None, :]
-        acc += tl.sum(tl.load(PARTS + p.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0), axis=0)
-    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)
-
-
 _INTERPRETED = interpreted(_add_rms_fwd_kernel)
 
 
@@ -217,11 +204,6 @@ def _backward_torch(dy, ds, s, weight, rstd, inc_dtype):
     return dx.to(s.dtype), dinc, (dyf * xhat).sum(0).to(weight.dtype)
 
 
-# Column sums finished by one launch: programs of _SUM_COLS columns, _SUM_PARTS partial rows a step.
-_SUM_COLS = 32
-_SUM_PARTS = 64
-
-
 @torch.library.custom_op("trainer::add_rms_norm_backward", mutates_args=())
 def _bwd_op(
     dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor, rstd: Tensor, inc_dtype: torch.dtype | None
@@ -235,12 +217,7 @@ def _bwd_op(
     dinc = s.new_empty(s.shape, dtype=inc_dtype) if inc_dtype is not None else s.new_empty(0)
     block_cols = triton.next_power_of_2(n_cols)
     block_rows = _block_rows(n_cols, "bwd")
-    # A few programs per SM, each summing its rows' weight gradients in registers.
-    # (Three in the interpreter, so that CPU tests cover the partial sums of several programs.)
-    programs = 3 if _INTERPRETED else PROGRAMS_PER_SM * torch.cuda.get_device_properties(s.device).multi_processor_count
-    programs = max(1, min(programs, triton.cdiv(n_rows, block_rows)))
-    rows_per_program = max(1, triton.cdiv(triton.cdiv(n_rows, programs), block_rows)) * block_rows
-    programs = max(1, triton.cdiv(n_rows, rows_per_program))
+    programs, rows_per_program = plan_programs(n_rows, block_rows, PROGRAMS_PER_SM, s.device, _INTERPRETED)
     parts = (s.new_empty if n_rows else s.new_zeros)((programs, n_cols), dtype=torch.float32)
     if n_rows:
         _add_rms_bwd_kernel[(programs,)](
@@ -249,9 +226,7 @@ def _bwd_op(
             num_warps=_num_warps(block_rows, block_cols, "bwd"),
         )  # fmt: skip
     dw = weight.new_empty(n_cols)
-    _sum_parts_kernel[(triton.cdiv(n_cols, _SUM_COLS),)](
-        parts, dw, programs, n_cols, BLOCK_PARTS=_SUM_PARTS, BLOCK_COLS=_SUM_COLS
-    )
+    sum_parts(parts[None], [dw])
     return dx, dinc, dw
 
 

@@ -2,7 +2,8 @@
 
 The kernels are layered; a module imports only from the layers above its own:
 
-1. primitives: this module, and :mod:`~trainer.compile.kernels.grad_norm` (the sum-of-squares kernels);
+1. primitives: this module, :mod:`~trainer.compile.kernels.grad_norm` (the sum-of-squares kernels) and
+   :mod:`~trainer.compile.kernels.rows` (what the row-norm backwards share);
 2. kernels: :mod:`~trainer.compile.kernels.adamw` and :mod:`~trainer.compile.kernels.sgd` (updates of flat
    buffers), :mod:`~trainer.compile.kernels.grad_table` (AdamW and the norm through gradient addresses),
    :mod:`~trainer.compile.kernels.add_layer_norm`, :mod:`~trainer.compile.kernels.add_rms_norm` and
