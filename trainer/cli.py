@@ -1,4 +1,4 @@
-"""``trainer fit | print-config | explain | plot | export``: a thin argparse front end.
+"""``trainer fit | print-config | explain | prepare | sample | plot | export``: a thin argparse front end.
 
 User errors (config, overrides, files, checkpoints) print one paragraph to stderr and exit 2,
 with no traceback (``TRAINER_DEBUG=1`` shows it). Everything else is a bug and keeps its traceback.
@@ -20,6 +20,9 @@ USAGE_EXAMPLES = """examples:
   torchrun --nproc-per-node 2 -m trainer fit configs/gpt2-small-ddp.yaml
   trainer print-config configs/tiny.yaml
   trainer plot runs/tiny runs/tiny-lr3e-4
+  trainer prepare --out data/stdlib-bpe
+  trainer fit configs/llama-1b.yaml data.path=data/stdlib-bpe
+  trainer sample runs/tiny --prompt "def "
   trainer export runs/llama out/llama
 """
 
@@ -56,6 +59,27 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="plot loss, tokens/s and lr of one or more runs to a PNG")
     pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (holding metrics.jsonl)")
     pl.add_argument("-o", "--out", help="PNG path (default: <first run>/plot.png)")
+    pr = sub.add_parser("prepare", help="tokenize text into a data directory (train.bin, val.bin, meta.json)")
+    pr.add_argument("sources", nargs="*", metavar="SOURCE",
+                    help="text files, directories of them, .jsonl, .parquet, or hf:NAME (a Hugging Face dataset); "
+                    "none: the embedded corpus")  # fmt: skip
+    pr.add_argument("--tokenizer", default="bpe:8192", metavar="TOK",
+                    help="a tokenizer.json or Hugging Face model directory, tiktoken:NAME (gpt2, cl100k_base, "
+                    "o200k_base), or bpe:N: an N-token BPE trained on the sources (default bpe:8192)")  # fmt: skip
+    pr.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    pr.add_argument("--field", default="text", help="the text field of .jsonl, .parquet and datasets (default text)")
+    pr.add_argument("--val-fraction", type=float, default=0.05, help="documents held out for val.bin (default 0.05)")
+    pr.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: the CPU count)")
+    pr.add_argument("--force", action="store_true", help="replace DIR if it holds a prepared corpus")
+    sa = sub.add_parser("sample", help="generate text from a run's last checkpoint")
+    sa.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.yaml and checkpoints/)")
+    sa.add_argument("--prompt", default="", help="text to continue (default: none, start from EOS / a newline)")
+    sa.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
+    sa.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
+    sa.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens (default 200)")
+    sa.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    sa.add_argument("--checkpoint", default="last", help="last (default) or a checkpoint path")
+    sa.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     ex = sub.add_parser("export", help="write a model.hf run's last checkpoint as a Hugging Face model directory")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.yaml and checkpoints/)")
     ex.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (AutoModelForCausalLM.from_pretrained)")
@@ -114,6 +138,14 @@ def _run(args) -> int:
         return 0
     if args.command == "export":
         return _export(args.run_dir, args.out_dir)
+    if args.command == "prepare":
+        from trainer.prepare import main as prepare
+
+        return prepare(args)
+    if args.command == "sample":
+        from trainer.sample import main as sample
+
+        return sample(args)
     overrides, resume = _split_resume(args.overrides)
     if args.command == "explain" and resume:
         raise ValueError("resume: not supported by explain")

@@ -1,9 +1,8 @@
-"""The config schema and its loading: YAML file + ``key=value`` overrides through OmegaConf.
+"""Config loading: YAML file + ``key=value`` overrides through OmegaConf, onto the schema of :mod:`trainer.schema`.
 
 Every field carries a one-line docstring under it; :func:`field_help` reads them so that
 ``trainer print-config`` and the README's config reference show the same text. Range and
-choice checks are declared in field metadata (``choices``, ``ge``, ``gt``) and checked by
-:func:`validate`; cross-field checks live in ``__post_init__``.
+choice checks are declared in field metadata and checked by :func:`validate`.
 
 User errors raise :class:`ConfigError`, which names the key, where it came from (file or
 override), what was expected and, where one fits, a did-you-mean. The CLI turns it into
@@ -17,8 +16,8 @@ import dataclasses
 import difflib
 import inspect
 import re
+import sys
 import textwrap
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,319 +25,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.compile.patterns import KERNEL_NAMES
-from trainer.models.presets import PRESETS
+from trainer.schema import Config, ConfigError
 
-
-class ConfigError(ValueError):
-    """A user error in a config file, an override or a CLI argument (exit status 2)."""
-
-
-def _f(default: Any = dataclasses.MISSING, *, choices=None, ge=None, gt=None, factory=None, names=None):
-    meta = {k: v for k, v in (("choices", choices), ("ge", ge), ("gt", gt), ("names", names)) if v is not None}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    name: str = "run"
-    """Run name; used in the default run directory and in plots."""
-    dir: str = "runs/${run.name}"
-    """Run directory: resolved config.yaml, metrics.jsonl, checkpoints/, compile report."""
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    preset: str | None = _f("tiny", choices=["tiny", "gpt2-small", "gpt2-medium"])
-    """Built-in GPT size (tiny | gpt2-small | gpt2-medium); null with model.target; ignored (set to null) with
-    model.hf."""
-    n_layer: int | None = _f(None, gt=0)
-    """Number of transformer blocks; overrides the preset."""
-    n_head: int | None = _f(None, gt=0)
-    """Attention heads per block; overrides the preset."""
-    n_embd: int | None = _f(None, gt=0)
-    """Embedding width; overrides the preset. Must be divisible by n_head."""
-    dropout: float = _f(0.0, ge=0.0)
-    """Dropout probability (0 disables dropout)."""
-    bias: bool = True
-    """Biases in linear layers and LayerNorms, as GPT-2."""
-    attention: str = _f("auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
-    """Built-in GPT: the scaled-dot-product-attention kernel (auto: torch's choice, which is cuDNN's on H100
-    with torch 2.11; scripts/bench_attention.py times them). Checked on the device at startup."""
-    target: str | None = None
-    """Your own model as "pkg.module:factory"; the factory returns an nn.Module whose
-    forward(idx, targets) returns the loss (or a tuple ending in it)."""
-    kwargs: dict[str, Any] = _f(factory=dict)
-    """Keyword arguments passed to model.target's factory."""
-    hf: str | None = None
-    """A Hugging Face causal LM: a local directory holding config.json (and its weights), or a hub name (fetched
-    where the machine can download). Sets model.preset to null; the built-in GPT's keys are errors with it (change
-    the model through model.hf_overrides). Needs pip install -e '.[hf]'."""
-    hf_overrides: dict[str, Any] = _f(factory=dict)
-    """Fields of model.hf's config to change before the model is built, e.g. {num_hidden_layers: 2}."""
-    pretrained: bool = False
-    """model.hf: load its weights (from_pretrained); false initialises it at random from its config (from_config)."""
-
-    def __post_init__(self):
-        if self.target is not None and ":" not in self.target:
-            raise ConfigError(f"model.target: expected 'pkg.module:factory', got {self.target!r}")
-        if self.hf is None:
-            for key in ("hf_overrides", "pretrained"):
-                if getattr(self, key):
-                    raise ConfigError(f"model.{key}: applies to a Hugging Face model only; set model.hf")
-            return
-        if self.target is not None:
-            raise ConfigError("model.hf: model.hf and model.target name two different models; set one of them")
-        gpt_keys = {"n_layer": self.n_layer is not None, "n_head": self.n_head is not None,
-                    "n_embd": self.n_embd is not None, "dropout": self.dropout != 0.0,
-                    "bias": not self.bias}  # fmt: skip
-        for key, chosen in gpt_keys.items():
-            if chosen:
-                raise ConfigError(
-                    f"model.{key}: applies to the built-in GPT only; with model.hf change the Hugging Face config "
-                    "through model.hf_overrides (e.g. {num_hidden_layers: 2, hidden_size: 256})"
-                )
-        self.preset = None  # as model.target would need it: the model's shape is the Hugging Face config's
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    path: str | None = None
-    """Text file (read as bytes, vocab 256) or uint16 token file (.bin, nanoGPT format);
-    null = the embedded corpus (this Python's standard library source)."""
-    vocab_size: int | None = _f(None, gt=0)
-    """Vocabulary size; required for a .bin token file, 256 otherwise."""
-    seq_len: int = _f(256, gt=0)
-    """Tokens per training sequence (the model's context length)."""
-    val_fraction: float = _f(0.05, gt=0.0)
-    """Fraction of the corpus held out for validation (deterministic split)."""
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    name: str = _f("adamw", choices=["adamw", "adam", "sgd"])
-    """Optimizer: adamw | adam | sgd."""
-    lr: float = _f(6e-4, gt=0.0)
-    """Peak learning rate."""
-    weight_decay: float = _f(0.1, ge=0.0)
-    """Decoupled weight decay, applied to matrices only (not norms, biases, embeddings)."""
-    betas: list[float] = _f(factory=lambda: [0.9, 0.95])
-    """Adam betas (beta1, beta2)."""
-    eps: float = _f(1e-8, gt=0.0)
-    """Adam epsilon."""
-    momentum: float = _f(0.9, ge=0.0)
-    """SGD momentum."""
-    grad_clip: float = _f(1.0, ge=0.0)
-    """Clip gradients to this global L2 norm (0 disables clipping)."""
-    impl: str = _f("auto", choices=["auto", "eager", "foreach", "fused", "compiled", "triton"])
-    """Optimizer implementation: auto picks the fastest measured: on CUDA ours (triton) for adamw/adam, torch's
-    fused for sgd, fsdp or fp16; foreach elsewhere."""
-
-    def __post_init__(self):
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"optim.betas: expected two numbers in [0, 1), got {list(self.betas)}")
-
-
-@dataclass(kw_only=True)
-class ScheduleConfig:
-    warmup_steps: int = _f(100, ge=0)
-    """Linear warm-up from 0 to optim.lr over this many steps."""
-    decay: str = _f("cosine", choices=["cosine", "linear", "constant"])
-    """Decay after warm-up, down to min_lr_ratio * lr at train.steps."""
-    min_lr_ratio: float = _f(0.1, ge=0.0)
-    """Final learning rate as a fraction of optim.lr."""
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    steps: int = _f(1000, gt=0)
-    """Optimizer steps to train for."""
-    stop_at: int | None = _f(None, gt=0)
-    """Stop this invocation after this step, with a checkpoint; the schedule still spans train.steps."""
-    micro_batch_size: int = _f(8, gt=0)
-    """Sequences per forward/backward on each rank."""
-    grad_accum: int = _f(1, gt=0)
-    """Micro-batches accumulated per optimizer step."""
-    precision: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
-    """Autocast precision: auto = bf16 on GPU, fp32 on CPU."""
-    device: str = "auto"
-    """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
-    eval_every: int = _f(0, ge=0)
-    """Validation loss every N steps and at the end (0: only at the end)."""
-    eval_batches: int = _f(8, gt=0)
-    """Micro-batches per validation pass."""
-    on_nan: str = _f("stop", choices=["stop", "skip"])
-    """On a NaN/inf loss: stop the run, or skip the step's update."""
-
-
-@dataclass(kw_only=True)
-class CompileConfig:
-    enabled: bool | str = _f("auto", choices=["auto", True, False])
-    """Compile the model with torch.compile: auto = on for CUDA, off on CPU (the startup line says which); true or
-    false."""
-    backend: str = "inductor"
-    """torch.compile backend: inductor, aot_eager, eager, or any registered backend."""
-    mode: str = _f("default", choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
-    """torch.compile mode."""
-    inductor_options: dict[str, Any] = _f(factory=dict)
-    """Inductor options for the model's compiled graphs, DDP pieces and compiled autograd (torch.compile's options=,
-    dotted keys, e.g. {max_autotune: true}), over compile.mode's and the trainer's measured defaults
-    (trainer.compile.capture.DEFAULT_INDUCTOR_OPTIONS); they win over TORCHINDUCTOR_* environment variables. Not for
-    optim.impl=compiled."""
-    fullgraph: bool = False
-    """Fail on any graph break instead of splitting the graph."""
-    dynamic: bool | None = False
-    """Dynamic shapes: false (static), true, or null (torch decides)."""
-    scope: str = _f("model", choices=["model", "blocks"])
-    """Compile the whole model, or each repeated block once (reused across blocks)."""
-    blocks: str | None = None
-    """Attribute path of the repeated blocks (e.g. transformer.h); found automatically when null."""
-    autograd: bool = False
-    """Compiled autograd: the backward, with its hooks, captured as one graph."""
-    kernels: Any = _f("auto", names=KERNEL_NAMES)
-    """Our Triton kernels substituted into the captured graphs wherever their pattern appears, in any model: auto
-    (all on CUDA, none on CPU), all (also on CPU, where they run under TRITON_INTERPRET=1 or as torch code), none
-    (plain Inductor), or a list of add_layer_norm, add_rms_norm, cross_entropy, linear_cross_entropy. trainer
-    explain lists each substitution."""
-    loss: bool = True
-    """With scope=blocks, also compile the model's head_loss(x, targets) (the built-in GPT's norm, head and
-    cross-entropy) as its own graph."""
-    max_recompiles: int = _f(8, ge=0)
-    """Recompiles allowed after warm-up before the run stops with an error."""
-    fallback: str = _f("error", choices=["error", "eager"])
-    """On a compile failure: stop (error) or log loudly and run eagerly (eager)."""
-    cudagraphs: bool | str = _f("auto", choices=["auto", True, False])
-    """After 3 ordinary steps, capture the whole step (forward, backward, clipping, optimizer; with ddp the bucket
-    all-reduces too) as one CUDA graph and replay it. auto = on wherever the step allows it: CUDA, compiled, static
-    shapes, adamw or adam with optim.impl auto/fused/foreach/triton, not fsdp, not fp16, not train.on_nan=skip (the
-    startup line says why when it is off); true insists, and a config it cannot apply is an error."""
-    cache_dir: str | None = None
-    """Compile cache directory; null = inside the run directory."""
-
-
-@dataclass(kw_only=True)
-class DistributedConfig:
-    strategy: str = _f("none", choices=["none", "ddp", "fsdp"])
-    """Data parallelism: none, ddp (replicated, bucketed all-reduce) or fsdp (FSDP2 sharding)."""
-    backend: str = _f("auto", choices=["auto", "nccl", "gloo"])
-    """Process-group backend: auto = nccl on CUDA, gloo on CPU."""
-    bucket_mb: float = _f(100.0, gt=0.0)
-    """DDP gradient bucket cap in MiB: whole blocks per bucket up to this size; each bucket is one compiled graph
-    piece (fewer, larger pieces: less host overhead)."""
-    split_tail: bool = True
-    """DDP bucket plan: the block ready last before the embeddings is a bucket of its own, so the blocks before
-    it are reduced during its backward instead of after it (false: packed like the rest)."""
-    fsdp_unit_mb: float = _f(512.0, ge=0.0)
-    """FSDP: consecutive blocks share one fully_shard unit (one all-gather, one reduce-scatter) up to this many
-    MiB of fp32 parameters; a larger block is a unit of its own; 0: a unit per block. FSDP2's hooks cost host
-    time per unit, so small blocks gain from sharing one."""
-    reshard_after_forward: bool = True
-    """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
-    param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
-    """FSDP: dtype parameters are gathered in for compute; auto = train.precision's (bf16 on GPU)."""
-    reduce_dtype: str = _f("fp32", choices=["fp32", "bf16"])
-    """DDP and FSDP: dtype gradients are reduced in. bf16 halves the bytes on the wire (for fp32 gradients) and the
-    sum itself is computed in bf16; fp32 sums them in fp32 (bf16 gradients too: upcast for the reduction)."""
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    enabled: bool = True
-    """Write checkpoints (false: none at all, e.g. for benchmarks)."""
-    every: int = _f(0, ge=0)
-    """Save a checkpoint every N steps (0: only at the end)."""
-    keep: int = _f(3, gt=0)
-    """Keep the newest N checkpoints."""
-
-
-@dataclass(kw_only=True)
-class LogConfig:
-    every: int = _f(10, gt=0)
-    """Print a summary line and write metrics.jsonl every N steps."""
-    progress: bool = True
-    """Show a live progress bar on a terminal."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files (needs the tensorboard extra)."""
-    peak_flops: float | None = _f(None, gt=0.0)
-    """Peak FLOP/s used for MFU; null = look the device up in a table."""
-
-
-@dataclass(kw_only=True)
-class Config:
-    run: RunConfig = _f(factory=RunConfig)
-    """Run identity and output directory."""
-    seed: int = 1337
-    """Seed for model initialisation and data order."""
-    model: ModelConfig = _f(factory=ModelConfig)
-    """The model."""
-    data: DataConfig = _f(factory=DataConfig)
-    """The corpus."""
-    optim: OptimConfig = _f(factory=OptimConfig)
-    """The optimizer."""
-    schedule: ScheduleConfig = _f(factory=ScheduleConfig)
-    """The learning-rate schedule."""
-    train: TrainConfig = _f(factory=TrainConfig)
-    """The training loop."""
-    compile: CompileConfig = _f(factory=CompileConfig)
-    """The compile layer."""
-    distributed: DistributedConfig = _f(factory=DistributedConfig)
-    """The distributed layer."""
-    checkpoint: CheckpointConfig = _f(factory=CheckpointConfig)
-    """Checkpointing."""
-    log: LogConfig = _f(factory=LogConfig)
-    """Logging and metrics."""
-
-    def __post_init__(self):
-        if (
-            self.model.preset is None
-            and self.model.target is None
-            and self.model.hf is None
-            and None
-            in (
-                self.model.n_layer,
-                self.model.n_head,
-                self.model.n_embd,
-            )
-        ):
-            raise ConfigError("model: set model.preset, model.target, or all of n_layer, n_head and n_embd")
-        if self.model.target is None and self.model.hf is None:
-            shape = dict(PRESETS.get(self.model.preset or "", {}))
-            shape.update({k: getattr(self.model, k) for k in ("n_embd", "n_head") if getattr(self.model, k)})
-            if shape["n_embd"] % shape["n_head"]:
-                raise ConfigError(f"model.n_embd: {shape['n_embd']} is not divisible by model.n_head={shape['n_head']}")
-        if self.optim.impl == "triton" and self.distributed.strategy == "fsdp":
-            raise ConfigError(
-                "optim.impl: 'triton' with distributed.strategy=fsdp is not supported: the Triton optimizer moves "
-                "parameters into its own flat buffers, and FSDP2 owns the sharded parameter storage; use "
-                "optim.impl=fused (or auto) with fsdp"
-            )
-        if self.compile.inductor_options:
-            from trainer.compile.capture import check_inductor_options
-
-            try:
-                check_inductor_options(self.compile.backend, dict(self.compile.inductor_options))
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        if self.compile.cudagraphs is True:
-            from trainer.compile.graphed import unmet_requirement
-
-            problem = unmet_requirement(self)
-            if problem:
-                raise ConfigError(problem)
-        if self.compile.autograd and self.distributed.strategy == "fsdp":
-            # Upstream removed FSDP2 + compiled autograd support in 2.13: it runs without error and leaves
-            # parameters unsharded and gradients unreduced. Refuse rather than train silently wrong.
-            raise ConfigError(
-                "compile.autograd: compiled autograd with distributed.strategy=fsdp is silently wrong in torch "
-                ">= 2.13 (parameters stay unsharded, gradients are not reduced); set compile.autograd=false"
-            )
-        m = self.model
-        if m.attention != "auto" and (m.target is not None or m.hf is not None):
-            which = "model.target" if m.target is not None else "model.hf"
-            raise ConfigError(f"model.attention: applies to the built-in GPT only; drop it with {which}")
-
+__all__ = ["Config", "ConfigError", "load_config", "validate", "to_dict", "to_yaml", "reference_markdown",
+           "field_help", "iter_fields", "get"]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------
 # Schema introspection: field help and the set of valid keys.
@@ -368,7 +58,7 @@ def iter_fields(cls=Config, prefix: str = ""):
 
 
 def _section_type(f):
-    t = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307 - our own annotations
+    t = f.type if not isinstance(f.type, str) else eval(f.type, vars(sys.modules[Config.__module__]))  # noqa: S307
     return t if dataclasses.is_dataclass(t) else None
 
 
