@@ -215,8 +215,16 @@ def test_the_built_in_gpt_gets_its_kernels_from_the_pass():
         (["compile.kernels=none"], "cuda", []),
         (["compile.kernels=[cross_entropy,add_layer_norm]"], "cuda", ["add_layer_norm", "cross_entropy"]),
         # auto leaves out the row kernel where its saved logits cost memory or its sums could overflow
-        (["train.precision=fp16"], "cuda", ["add_layer_norm", "add_rms_norm", "linear_cross_entropy"]),
-        (["compile.autograd=true"], "cuda", ["add_layer_norm", "add_rms_norm", "linear_cross_entropy"]),
+        (
+            ["train.precision=fp16"],
+            "cuda",
+            ["add_layer_norm", "add_rms_norm", "linear_cross_entropy", "causal_attention"],
+        ),
+        (
+            ["compile.autograd=true"],
+            "cuda",
+            ["add_layer_norm", "add_rms_norm", "linear_cross_entropy", "causal_attention"],
+        ),
         (["compile.enabled=false"], "cuda", []),
     ],
 )
@@ -243,17 +251,21 @@ def test_hugging_face_gpt2_gets_the_norms_and_the_loss():
     make = lambda: _hf("gpt2", vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,  # noqa: E731
                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
     # Observed: losses 1.2e-7 relative, gradients 6e-6 of their largest element after 10 AdamW steps.
-    log = _same_training(make, ["add_layer_norm", "cross_entropy"], rtol=2e-6, grad_rtol=1e-4)
-    assert {k["name"]: k["count"] for k in log.report()} == {"add_layer_norm": 2 * 2 + 1, "cross_entropy": 1}
+    log = _same_training(make, ["add_layer_norm", "cross_entropy", "causal_attention"], rtol=2e-6, grad_rtol=1e-4)
+    counts = {k["name"]: k["count"] for k in log.report()}
+    # The causal mask Hugging Face builds in the graph, one attention per layer.
+    assert counts == {"add_layer_norm": 2 * 2 + 1, "cross_entropy": 1, "causal_attention": 2}
 
 
 def test_hugging_face_llama_gets_the_rms_norms_and_the_loss():
     make = lambda: _hf("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,  # noqa: E731
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)  # fmt: skip
     # Observed: losses 1.1e-7 relative, gradients 3.0e-5 of their largest element after 10 AdamW steps.
-    log = _same_training(make, ["add_rms_norm", "linear_cross_entropy"], rtol=2e-6, grad_rtol=1e-4)
-    # Llama's hand-written RMSNorm: input_layernorm, post_attention_layernorm per layer and the final norm.
-    assert {k["name"]: k["count"] for k in log.report()} == {"add_rms_norm": 2 * 2 + 1, "linear_cross_entropy": 1}
+    log = _same_training(make, ["add_rms_norm", "linear_cross_entropy", "causal_attention"], rtol=2e-6, grad_rtol=1e-4)
+    # Llama's hand-written RMSNorm: input_layernorm, post_attention_layernorm per layer and the final norm; the
+    # causal mask and the repeated key/value heads of each layer's attention.
+    counts = {k["name"]: k["count"] for k in log.report()}
+    assert counts == {"add_rms_norm": 2 * 2 + 1, "linear_cross_entropy": 1, "causal_attention": 2}
 
 
 def test_fx_marks_erased_nodes():
@@ -287,3 +299,66 @@ def test_an_in_place_residual_add_is_not_fused():
     # Observed: losses 9e-8 relative, gradients 3e-7 of their largest element.
     log = _same_training(InPlaceResidual, ["add_layer_norm"], rtol=2e-6, grad_rtol=1e-5)
     assert {k["name"]: k["count"] for k in log.report()} == {"add_layer_norm": 1}  # the norm alone
+
+
+class MaskedAttention(nn.Module):
+    """One attention layer whose mask is built as ``mask`` says: ``causal`` (boolean), ``additive`` (0 / -inf),
+    ``window`` (causal within 4 positions), ``input`` (read from the batch: padding) or ``repeat`` (no mask, is_causal,
+    keys and values repeated from 2 heads to 4 as Hugging Face's repeat_kv)."""
+
+    def __init__(self, mask: str, vocab=64, width=32, heads=4):
+        super().__init__()
+        self.mask, self.heads = mask, heads
+        self.emb, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
+        if mask == "repeat":
+            self.kv = nn.Linear(width, width)  # 2 heads of keys and values
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        x = self.emb(idx)
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        i = torch.arange(T, device=idx.device)
+        keep = i[:, None] >= i[None, :]
+        mask, causal = keep[None, None].expand(B, 1, T, T), False
+        if self.mask == "additive":
+            mask = torch.zeros(T, T, device=idx.device).masked_fill(~keep, float("-inf"))
+        elif self.mask == "window":
+            mask = keep & (i[:, None] - i[None, :] < 4)
+        elif self.mask == "input":
+            mask = keep & (idx != 0)[:, None, None, :]
+        elif self.mask == "repeat":
+            k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in self.kv(x).chunk(2, dim=-1))
+            k, v = (t[:, :, None, :, :].expand(B, 2, 2, T, t.shape[-1]).reshape(B, 4, T, t.shape[-1]) for t in (k, v))
+            mask, causal = None, True
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        h = y.transpose(1, 2).reshape(B, T, -1) + x
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("mask", ["causal", "additive", "repeat"])
+def test_a_causal_mask_built_in_the_graph_becomes_is_causal(mask):
+    # Observed on CPU: causal and additive equal to the last bit; repeat (grouped heads) losses 2.3e-7 relative,
+    # gradients 4.6e-7 of their largest element (the shared heads' gradients summed in another order).
+    log = _same_training(lambda: MaskedAttention(mask), ["causal_attention"], rtol=1e-6, grad_rtol=1e-5)
+    assert {k["name"]: k["count"] for k in log.report()} == {"causal_attention": 1}
+    assert not log.near_misses
+
+
+@pytest.mark.parametrize(("mask", "reason"), [("window", "not the causal mask"), ("input", "read from an input")])
+def test_other_masks_are_left_alone_and_said_why(mask, reason):
+    log = _same_training(lambda: MaskedAttention(mask), ["causal_attention"], rtol=1e-6)
+    assert log.report() == []
+    assert reason in log.near_misses[0][2]
+
+
+def test_the_substituted_attention_has_no_mask_and_shares_the_key_value_heads():
+    seen = []
+
+    def inner(gm, example_inputs):
+        seen.extend(dict(n.kwargs) for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
+        return gm
+
+    model = MaskedAttention("repeat")
+    torch.compile(LossOnly(model), backend=substituting(inner, ["causal_attention"]), fullgraph=True)(*_batches(n=1)[0])
+    assert seen[0]["attn_mask"] is None and seen[0]["is_causal"] is True and seen[0]["enable_gqa"] is True

@@ -195,8 +195,9 @@ class CompileConfig:
     kernels: Any = _f("auto", names=KERNEL_NAMES)
     """Our Triton kernels substituted into the captured graphs wherever their pattern appears, in any model: auto
     (all on CUDA, none on CPU), all (also on CPU, where they run under TRITON_INTERPRET=1 or as torch code), none
-    (plain Inductor), or a list of add_layer_norm, add_rms_norm, cross_entropy, linear_cross_entropy. trainer
-    explain lists each substitution."""
+    (plain Inductor), or a list of add_layer_norm, add_rms_norm, cross_entropy, linear_cross_entropy,
+    causal_attention (a causal mask built in the graph becomes is_causal; repeated key/value heads become grouped
+    attention). trainer explain lists each substitution."""
     loss: bool = True
     """With scope=blocks, also compile the model's head_loss(x, targets) (the built-in GPT's norm, head and
     cross-entropy) as its own graph."""

@@ -14,6 +14,9 @@ model's module names or classes, and replaces them with our ``torch.library`` op
   logits kept, their gradient written over them in the forward) or the chunked fused linear + cross-entropy that
   never holds the whole logits (``linear_cross_entropy``). With both enabled, the vocabulary decides
   (:data:`FUSED_LOSS_MIN_VOCAB`).
+- ``causal_attention``: an attention mask built in the graph that equals the causal mask becomes ``is_causal=True``,
+  and keys and values repeated to every query head become ``enable_gqa=True`` (:mod:`trainer.compile.attention`):
+  SDPA's causal kernels then skip the masked half. Not a kernel of ours: it lets torch's fastest one run.
 
 Where it runs: in our Dynamo backend, on the torch-level graph Dynamo hands over, before AOTAutograd. There the
 graph still says ``layer_norm``, ``add`` and ``cross_entropy`` (after AOTAutograd they are decomposed into dozens
@@ -41,7 +44,7 @@ from torch import fx
 
 __all__ = ["KERNEL_NAMES", "KernelLog", "substitute", "substituting", "FUSED_LOSS_MIN_VOCAB"]
 
-KERNEL_NAMES = ("add_layer_norm", "add_rms_norm", "cross_entropy", "linear_cross_entropy")
+KERNEL_NAMES = ("add_layer_norm", "add_rms_norm", "cross_entropy", "linear_cross_entropy", "causal_attention")
 """The kernels this pass substitutes (``compile.kernels`` names them)."""
 
 FUSED_LOSS_MIN_VOCAB = 65536
@@ -472,9 +475,13 @@ def substitute(gm: fx.GraphModule, kernels: set[str], log: KernelLog | None = No
     log = LOG if log is None else log
     unknown = set(kernels) - set(KERNEL_NAMES)
     assert not unknown, f"unknown kernels {unknown}"
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     inputs = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder")
     hits = _Hits(log)
+    if "causal_attention" in kernels:
+        from trainer.compile.attention import causal_attention
+
+        causal_attention(gm, hits)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     if "add_layer_norm" in kernels:
         _layer_norms(gm, hits, order)
     if "add_rms_norm" in kernels:
