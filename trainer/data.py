@@ -2,7 +2,10 @@
 
 The corpus is a flat array of tokens: the embedded default (this Python's standard-library
 source, read as bytes: it ships with every Python, so nothing is downloaded), a text file
-read as bytes, or a uint16 token file in nanoGPT's ``.bin`` format.
+read as bytes, a token file in nanoGPT's ``.bin`` format (uint16, or uint32 with ``data.dtype``),
+or a directory written by ``trainer prepare`` (train.bin and val.bin in the dtype and vocabulary
+its meta.json gives). Token files are memory-mapped, never read whole; loading checks that a file
+is a whole number of tokens and that every id is inside the vocabulary (one vectorised pass).
 
 Batches are random windows drawn from a generator seeded by ``(seed, step)``. The global
 batch of a step is fixed by the step alone; each rank takes its contiguous slice. So the
@@ -12,6 +15,7 @@ step number, which checkpoints store.
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 import zlib
@@ -52,49 +56,199 @@ class Corpus:
     val: np.ndarray
     vocab_size: int
     description: str
+    eos_id: int | None = None
+    """The end-of-document token of a prepared directory (meta.json's ``eos_id``); None for bytes and bare .bin."""
 
 
-def load_corpus(path: str | None, vocab_size: int | None, val_fraction: float, seq_len: int) -> Corpus:
+META = "meta.json"
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_SCAN_CHUNK = 1 << 26  # tokens per np.max call: bounds what one call touches (128 MiB of uint16)
+
+
+def load_corpus(
+    path: str | None, vocab_size: int | None, val_fraction: float, seq_len: int, dtype: str = "auto"
+) -> Corpus:
     """Load the token corpus and split it into train and validation.
 
+    Args:
+        path: ``data.path``: a prepared directory, a ``.bin`` token file, a text file, or None (the embedded corpus).
+        vocab_size: ``data.vocab_size`` (None: the data's own).
+        val_fraction: the validation share of a corpus that has no split of its own.
+        seq_len: ``data.seq_len``; each split must hold more tokens than a sequence.
+        dtype: ``data.dtype``: ``auto``, ``uint16`` or ``uint32`` (token files only).
+
     Raises:
-        ValueError, FileNotFoundError: a missing file, a ``.bin`` without ``data.vocab_size``, a
-            corpus shorter than a sequence, or tokens outside the vocabulary.
+        ValueError, FileNotFoundError: a missing file or meta.json, a ``.bin`` without ``data.vocab_size``, a
+            vocabulary or dtype that disagrees with meta.json, a token file whose size is not a whole number of
+            tokens, token ids outside the vocabulary, or a split shorter than a sequence.
     """
-    if path is None:
-        train, val, desc = _stdlib_corpus(val_fraction)
-        vocab = 256
+    p = _data_path(path)
+    if p is not None and p.is_dir():
+        corpus = _prepared_corpus(p, vocab_size, dtype)
+    elif p is not None and p.suffix == ".bin":
+        corpus = _token_file_corpus(_existing(p), vocab_size, dtype, val_fraction)
     else:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"data.path: no such file: {path}")
-        if p.suffix == ".bin":
-            if vocab_size is None:
-                raise ValueError(f"data.vocab_size: required for the uint16 token file {path}")
-            tokens = np.memmap(p, dtype=np.uint16, mode="r")
-            vocab = vocab_size
-            sibling = p.with_name("val.bin") if p.name == "train.bin" else None
-            if sibling is not None and sibling.is_file():
-                train, val = tokens, np.memmap(sibling, dtype=np.uint16, mode="r")
-            else:
-                train, val = _tail_split(tokens, val_fraction)
-            desc = f"uint16 tokens ({path})"
-        else:
-            tokens = np.frombuffer(p.read_bytes(), dtype=np.uint8)
-            vocab = 256
-            train, val = _tail_split(tokens, val_fraction)
-            desc = f"bytes of {path}"
-    if vocab_size is not None:
-        if vocab_size < vocab:
-            raise ValueError(f"data.vocab_size: {vocab_size} is smaller than the byte vocabulary ({vocab})")
-        vocab = vocab_size  # a larger embedding than the data needs, e.g. GPT-2's 50304 for benchmarks
-    for name, arr in (("train", train), ("validation", val)):
+        if dtype != "auto":
+            what = "the embedded corpus" if p is None else f"the text file {p}"
+            raise ValueError(f"data.dtype: {dtype} applies to token files (.bin) and prepared directories; {what} "
+                             "is read as bytes: leave data.dtype=auto")  # fmt: skip
+        corpus = _byte_corpus(p if p is None else _existing(p), vocab_size, val_fraction)
+    for name, arr in (("train", corpus.train), ("validation", corpus.val)):
         if len(arr) <= seq_len + 1:
             raise ValueError(
                 f"data: the {name} split has {len(arr)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; "
                 "use a larger corpus, a smaller data.seq_len or another data.val_fraction"
             )
-    return Corpus(train=train, val=val, vocab_size=vocab, description=desc)
+    return corpus
+
+
+def _data_path(path: str | None) -> Path | None:
+    """``data.path`` as a Path; prepare's own train.bin stands for its directory (its meta.json says how to read it)."""
+    p = None if path is None else Path(path)
+    if p is not None and p.is_file() and p.name == "train.bin" and (p.parent / META).is_file():
+        return p.parent
+    return p
+
+
+def data_vocab_size(path: str | None, vocab_size: int | None) -> int:
+    """The vocabulary :func:`load_corpus` gives ``data.path`` and ``data.vocab_size``, without reading the tokens
+    (``trainer sample`` rebuilds a run's model with it).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`load_corpus` for a prepared directory or a bare ``.bin``.
+    """
+    p = _data_path(path)
+    if p is not None and p.is_dir():
+        return read_meta(p)["vocab_size"]
+    if p is not None and p.suffix == ".bin" and vocab_size is None:
+        raise ValueError(f"data.vocab_size: required for the token file {p} (its tokenizer's vocabulary size)")
+    return vocab_size or 256
+
+
+def _existing(p: Path) -> Path:
+    if not p.is_file():
+        raise FileNotFoundError(f"data.path: no such file or directory: {p}")
+    return p
+
+
+def _byte_corpus(p: Path | None, vocab_size: int | None, val_fraction: float) -> Corpus:
+    """The embedded corpus (``p`` None) or a text file, as bytes: vocabulary 256, or ``vocab_size`` to widen it."""
+    if p is None:
+        train, val, desc = _stdlib_corpus(val_fraction)
+    else:
+        train, val = _tail_split(np.frombuffer(p.read_bytes(), dtype=np.uint8), val_fraction)
+        desc = f"bytes of {p}"
+    if vocab_size is not None and vocab_size < 256:
+        raise ValueError(f"data.vocab_size: {vocab_size} is smaller than the byte vocabulary (256)")
+    # A larger vocabulary only widens the embedding, e.g. GPT-2's 50304 for benchmarks.
+    return Corpus(train=train, val=val, vocab_size=vocab_size or 256, description=desc)
+
+
+def _token_file_corpus(p: Path, vocab_size: int | None, dtype: str, val_fraction: float) -> Corpus:
+    """A bare ``.bin`` token file (nanoGPT's): ``train.bin`` with a ``val.bin`` beside it uses that as validation."""
+    dtype = "uint16" if dtype == "auto" else dtype
+    if vocab_size is None:
+        raise ValueError(f"data.vocab_size: required for the {dtype} token file {p} (its tokenizer's vocabulary size)")
+    tokens = read_tokens(p, dtype, vocab_size)
+    sibling = p.with_name("val.bin") if p.name == "train.bin" else None
+    if sibling is not None and sibling.is_file():
+        train, val = tokens, read_tokens(sibling, dtype, vocab_size)
+    else:
+        train, val = _tail_split(tokens, val_fraction)
+    return Corpus(train=train, val=val, vocab_size=vocab_size, description=f"{dtype} tokens ({p})")
+
+
+def read_meta(directory: Path) -> dict:
+    """A prepared directory's ``meta.json`` (written by ``trainer prepare``), checked for what loading needs.
+
+    Raises:
+        FileNotFoundError: no meta.json in ``directory``.
+        ValueError: meta.json is not JSON, or lacks ``vocab_size`` or a known ``dtype``.
+    """
+    path = Path(directory) / META
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"data.path: {directory} is a directory without {META}; expected one written by `trainer prepare` "
+            "(train.bin, val.bin, meta.json), or point data.path at a token or text file"
+        )
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"data.path: {path} is not valid JSON ({e}); run `trainer prepare` again") from None
+    meta = meta if isinstance(meta, dict) else {}
+    vocab, dtype = meta.get("vocab_size"), meta.get("dtype")
+    if not isinstance(vocab, int) or vocab <= 0 or dtype not in TOKEN_DTYPES:
+        raise ValueError(f"data.path: {path} needs a positive integer vocab_size and a dtype of "
+                         f"{' or '.join(TOKEN_DTYPES)}; got vocab_size={vocab!r}, dtype={dtype!r}")  # fmt: skip
+    return meta
+
+
+def _prepared_corpus(d: Path, vocab_size: int | None, dtype: str) -> Corpus:
+    """A directory written by ``trainer prepare``: train.bin and val.bin in meta.json's dtype and vocabulary."""
+    meta = read_meta(d)
+    vocab, meta_dtype = meta["vocab_size"], meta["dtype"]
+    if vocab_size is not None and vocab_size != vocab:
+        raise ValueError(
+            f"data.vocab_size: {vocab_size}, but {d / META} says the data's vocabulary is {vocab}; leave "
+            "data.vocab_size unset for a prepared directory (it is read from meta.json)"
+        )
+    if dtype not in ("auto", meta_dtype):
+        raise ValueError(f"data.dtype: {dtype}, but {d / META} says the tokens are {meta_dtype}; leave "
+                         "data.dtype=auto for a prepared directory")  # fmt: skip
+    splits = {}
+    for split in ("train", "val"):
+        f = d / f"{split}.bin"
+        if not f.is_file():
+            raise FileNotFoundError(f"data.path: {d} has {META} but no {f.name}; run `trainer prepare` again")
+        splits[split] = read_tokens(f, meta_dtype, vocab, meta=d / META)
+        expected = meta.get("tokens", {}).get(split) if isinstance(meta.get("tokens"), dict) else None
+        if isinstance(expected, int) and expected != len(splits[split]):
+            raise ValueError(f"data.path: {f} holds {len(splits[split])} tokens, but {d / META} says {expected}: the "
+                             "directory is incomplete or mixed up; run `trainer prepare` again")  # fmt: skip
+    desc = f"{meta_dtype} tokens of {meta.get('tokenizer', 'an unnamed tokenizer')} ({d})"
+    return Corpus(train=splits["train"], val=splits["val"], vocab_size=vocab, description=desc,
+                  eos_id=meta.get("eos_id"))  # fmt: skip
+
+
+def read_tokens(path: Path, dtype: str, vocab_size: int, meta: Path | None = None) -> np.ndarray:
+    """Map a token file read-only and check it: a whole number of ``dtype`` tokens, every id below ``vocab_size``.
+
+    Args:
+        meta: the meta.json that gave ``dtype`` and ``vocab_size`` (None: the config did, for a bare .bin); the
+            errors' advice depends on it.
+
+    Raises:
+        ValueError: naming the file, for a size that is not a multiple of the dtype's, or an id >= ``vocab_size``.
+    """
+    item = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    size = path.stat().st_size
+    if size % item:
+        fix = ("set data.dtype to the dtype the file was written in" if meta is None
+               else f"it does not match {meta}; run `trainer prepare` again")  # fmt: skip
+        raise ValueError(f"data.path: {path} is {size} bytes, not a whole number of {dtype} tokens ({item} bytes "
+                         f"each); {fix}")  # fmt: skip
+    if size == 0:
+        return np.zeros(0, dtype=TOKEN_DTYPES[dtype])
+    tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+    largest = max_token(tokens)
+    if largest >= vocab_size:
+        raise ValueError(f"data.path: {path} holds token id {largest}, outside the vocabulary of {vocab_size} "
+                         f"tokens (ids 0..{vocab_size - 1}); {_range_fix(largest, dtype, meta)}")  # fmt: skip
+    return tokens
+
+
+def _range_fix(largest: int, dtype: str, meta: Path | None) -> str:
+    """What to change when a token file holds ``largest``, an id outside the vocabulary."""
+    if meta is not None:
+        return f"the file does not match {meta}; run `trainer prepare` again"
+    other = "uint16" if dtype == "uint32" else "uint32"
+    return (f"set data.vocab_size to the vocabulary the file was tokenized with (at least {largest + 1}), or "
+            f"data.dtype={other} if the file holds {other} tokens")  # fmt: skip
+
+
+def max_token(tokens: np.ndarray) -> int:
+    """The largest id in ``tokens``, in one vectorised pass over chunks (a memmap is read, never copied)."""
+    return int(max(tokens[i : i + _SCAN_CHUNK].max() for i in range(0, len(tokens), _SCAN_CHUNK)))
 
 
 def _tail_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

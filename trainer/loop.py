@@ -64,7 +64,8 @@ class Trainer:
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
 
         # The data, the model (sharded before the optimizer exists), the optimizer and its schedule; a resume's state.
-        corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len)
+        corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
+                             dtype=cfg.data.dtype)  # fmt: skip
         batches = build.batches(cfg, corpus, env)
         self.raw_model = raw_model = build.make_model(cfg, corpus.vocab_size, device)
         amp_dtype = build.amp_dtype(cfg.train.precision, device)
