@@ -133,10 +133,11 @@ def main() -> None:
 
     import torch
 
+    from scripts._meta import git_sha
     from scripts.bench_step import matmul_peak
 
     peak = matmul_peak()
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "git_sha": git_sha(),
               "cudnn": torch.backends.cudnn.version(), "matmul_peak_tflops": peak / 1e12, "rows": {}}  # fmt: skip
     lines = [f"{result['gpu']}, torch {torch.__version__}, cuDNN {result['cudnn']}; bf16 matmul peak measured "
              f"{peak / 1e12:.0f} TFLOP/s; causal, bf16",
