@@ -32,6 +32,9 @@ class RunConfig:
     """Run name; used in the default run directory and in plots."""
     dir: str = "runs/${run.name}"
     """Run directory: resolved config.yaml, metrics.jsonl, checkpoints/, compile report."""
+    overwrite: bool = False
+    """A fresh run into a directory that holds a run: false refuses (exit 2; resume=last continues it); true moves
+    the old run aside to <run.dir>.old-N (nothing is deleted) and starts afresh."""
 
 
 @dataclass(kw_only=True)
@@ -234,6 +237,9 @@ class DistributedConfig:
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
     """FSDP: dtype parameters are gathered in for compute; auto = train.precision's (bf16 on GPU)."""
+    timeout_s: float = _f(300.0, gt=0.0)
+    """Seconds a collective may wait for a rank before the job stops with an error naming it (torch's default
+    is 10 minutes); covers the longest compile or checkpoint save of one rank while the others wait."""
     reduce_dtype: str = _f("fp32", choices=["fp32", "bf16"])
     """DDP and FSDP: dtype gradients are reduced in. bf16 halves the bytes on the wire (for fp32 gradients) and the
     sum itself is computed in bf16; fp32 sums them in fp32 (bf16 gradients too: upcast for the reduction)."""
