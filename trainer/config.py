@@ -164,6 +164,30 @@ def _nest(key: str, value: Any) -> dict:
     return out
 
 
+def _merge(cfg: DictConfig, data: dict, where: str) -> DictConfig:
+    """``cfg`` with ``data`` merged over it; a value of the wrong shape is a :class:`ConfigError` naming its key."""
+    try:
+        return OmegaConf.merge(cfg, OmegaConf.create(data))
+    except OmegaConfBaseException as e:
+        raise _merge_error(e, where) from None
+    except (TypeError, ValueError) as e:  # OmegaConf's own, e.g. a list where a mapping goes: find the key
+        for key in _leaf_keys(data):
+            try:
+                OmegaConf.merge(cfg, OmegaConf.create(_nest(key, _lookup(data, key))))
+            except (OmegaConfBaseException, TypeError, ValueError):
+                fld = _ALL.get(key, (None, False))[0]
+                got = type(_lookup(data, key)).__name__
+                expected = f", expected {_type_name(fld)}" if fld is not None else f" ({e})"
+                raise ConfigError(f"{key}: got a {got} (in {where}){expected}") from None
+        raise ConfigError(f"{e} (in {where})") from None
+
+
+def _lookup(data: dict, key: str) -> Any:
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
 def _merge_error(e: OmegaConfBaseException, where: str) -> ConfigError:
     key = getattr(e, "full_key", None) or "?"
     msg = str(e).splitlines()[0]
@@ -174,6 +198,10 @@ def _merge_error(e: OmegaConfBaseException, where: str) -> ConfigError:
 
 def _type_name(f) -> str:
     t = str(f.type).replace("typing.", "")
+    if t.startswith("dict"):
+        return "a mapping, e.g. {key: value}"
+    if t.startswith("list"):
+        return "a list, e.g. [a, b]"
     return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}.get(t, t)
 
 
@@ -210,10 +238,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     cfg: DictConfig = OmegaConf.structured(Config)
     for where, data in sources:
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
-        except OmegaConfBaseException as e:
-            raise _merge_error(e, where) from None
+        cfg = _merge(cfg, data, where)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
