@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -380,6 +381,135 @@ def test_state_dict_interchanges_with_torch_mid_run(ours_cls, theirs_cls, kw):
     ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
     for i, p in enumerate(ps):
         _states_equal(ours.state[p], theirs.state_dict()["state"][i])
+
+
+def _through_a_file(state_dict: dict) -> dict:
+    """What a checkpoint hands back: new tensors with the saved values."""
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _buffers(opt) -> list[torch.Tensor]:
+    """Every tensor a captured step reads or writes: flat parameters, states, step counters, hyperparameters."""
+    flats = [flat.param for _, flat in opt._flats]
+    return flats + [b for bufs in opt._bufs for b in bufs.values()] + opt._steps + opt._hparams_dev
+
+
+def _assert_same_run(ps, qs, a, b):
+    """Bit-equal parameters, states and step counts: the same kernels on the same values."""
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys() and all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i])
+
+
+TRITON_OPTIMIZERS = {
+    "adamw": (TritonAdamW, dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)),
+    "adamw-table": (TritonAdamW, dict(lr=0.01, weight_decay=0.1, flat_grads=False)),
+    "adam": (TritonAdam, dict(lr=0.01, weight_decay=0.1, max_grad_norm=1.0)),
+    "sgd": (TritonSGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+}
+
+
+@pytest.mark.parametrize("kind", list(TRITON_OPTIMIZERS))
+def test_load_state_dict_mid_run_copies_into_the_flat_buffers(kind):
+    # A graphed step captured the flat buffers' addresses: a load must write into them, not replace them.
+    cls, kw = TRITON_OPTIMIZERS[kind]
+    ps = _params([(5, 3), (7,), (1,)])
+    qs, rs = _clone_params(ps), _clone_params(ps)
+    opt, ref = cls(ps, **kw), cls(qs, **kw)  # ref: the same run, never reloaded
+    _run_pair(opt, ref, ps, qs, steps=3)
+    bufs, ptrs = _buffers(opt), [p.data_ptr() for p in ps]
+
+    # Round trips: the live state dict, and one through a file (what a checkpoint gives back).
+    opt.load_state_dict(opt.state_dict())
+    opt.load_state_dict(_through_a_file(opt.state_dict()))
+    _run_pair(opt, ref, ps, qs, steps=3, seed=2)
+    _assert_same_run(ps, qs, opt, ref)
+
+    # A checkpoint restore in a live process: another run's state (more steps, other gradients, another lr).
+    other = cls(rs, **{**kw, "lr": kw["lr"] / 2})
+    _run_pair(other, cls(_clone_params(rs), **kw), rs, _clone_params(rs), steps=5, seed=3)
+    opt.load_state_dict(other.state_dict())
+    for p, r in zip(ps, rs):
+        p.data.copy_(r)
+    assert opt.param_groups[0]["lr"] == kw["lr"] / 2
+    _run_pair(opt, other, ps, rs, steps=3, seed=4)
+    _assert_same_run(ps, rs, opt, other)
+
+    now = _buffers(opt)
+    assert len(now) == len(bufs) and all(a is b for a, b in zip(now, bufs)), "a buffer was replaced"
+    assert [p.data_ptr() for p in ps] == ptrs and all(flat.owns_params() for _, flat in opt._flats)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_load_state_dict_of_other_shapes_says_so(kind):
+    # Another model's state (each matrix transposed): copied into a flat view it would fail or broadcast.
+    cls, kw = TRITON_OPTIMIZERS[kind]
+    ps = _params([(5, 3), (7,)])
+    others = _params([(3, 5), (7,)])
+    source = cls(others, **kw)
+    _run_pair(source, cls(_clone_params(others), **kw), others, _clone_params(others), steps=2)
+    foreign = source.state_dict()
+    opt = cls(ps, **kw)
+    with pytest.raises(ValueError, match=r"does not fit: state\[0\].* has shape \(3, 5\).* has \(5, 3\)"):
+        opt.load_state_dict(foreign)  # before the first step
+    _run_pair(opt, cls(_clone_params(ps), **kw), ps, _clone_params(ps), steps=2)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="does not fit"):
+        opt.load_state_dict(foreign)  # mid-run, and nothing changes
+    after = opt.state_dict()
+    for i in before["state"]:
+        assert all(torch.equal(before["state"][i][k], after["state"][i][k]) for k in before["state"][i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(TRITON_OPTIMIZERS))
+def test_captured_step_replays_on_the_loaded_state(kind):
+    # What a graphed training step relies on: load_state_dict mid-run, then the captured step (which reads and
+    # writes the flat buffers' addresses) continues from the loaded state, as the run it came from does.
+    cls, kw = TRITON_OPTIMIZERS[kind]
+    ps = _params([(5, 3), (7,), (1,)])
+    rs = _clone_params(ps)
+    opt, other = cls(ps, **kw), cls(rs, **{**kw, "lr": kw["lr"] / 2})
+    gen = torch.Generator().manual_seed(1)
+
+    def grads_in_place(params):  # a captured step reads the gradients where they were at capture
+        for p in params:
+            g = torch.randn(p.shape, generator=gen).to(DEVICE)
+            p.grad = g if p.grad is None else p.grad.copy_(g)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: builds the flat buffers, compiles the kernels
+        for _ in range(2):
+            grads_in_place(ps)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.before_graph_replay()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(4):
+        grads_in_place(rs)
+        other.step()
+    opt.load_state_dict(other.state_dict())
+    for p, r in zip(ps, rs):
+        p.data.copy_(r)
+    for _ in range(3):
+        grads_in_place(ps)
+        for p, r in zip(ps, rs):
+            r.grad = p.grad.clone()
+        opt.before_graph_replay()
+        graph.replay()
+        opt.after_graph_replay()
+        other.step()
+    torch.cuda.synchronize()
+    _assert_same_run(ps, rs, opt, other)
 
 
 def test_bf16_params_keep_fp32_states_through_a_checkpoint():

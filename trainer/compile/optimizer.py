@@ -17,6 +17,8 @@ and state and runs a ``torch.compile``-d copy of its step. What it does that a b
 - The undecorated ``step`` is compiled under ``torch.no_grad()`` with ``fullgraph=True``: no graph
   breaks (torch's ``_use_grad_for_differentiable`` inserts two), so a failure to compile shows up
   at once and the drop-in falls back to the eager optimizer and says why, once.
+- ``load_state_dict`` copies a checkpoint into the state tensors the step was compiled with (Dynamo guards
+  on their identity) and checks their shapes, so a checkpoint loaded mid-run recompiles nothing.
 - Each drop-in compiles its own code object. Dynamo caches per code object and gives up on a frame
   after ``torch._dynamo.config.recompile_limit`` (8) entries, and every optimizer instance shares
   ``Optimizer.step``'s code: Dynamo would stop compiling the ninth and later optimizers in a process.
@@ -75,8 +77,9 @@ _COMPILE_ERRORS: tuple[type[BaseException], ...] = tuple(
     )
     if e is not None
 )
-# Keys forced in the private groups of the compiled step.
-_FORCED = {"capturable": True, "foreach": True}
+# Keys forced in the private groups of the compiled step. ``fused`` as well: a checkpoint of torch's fused
+# optimizer loads ``fused=True`` into the groups, and its kernel is a graph break (the drop-in would fall back).
+_FORCED = {"capturable": True, "foreach": True, "fused": None}
 
 _warned: set[str] = set()
 _instances = itertools.count()
@@ -114,6 +117,41 @@ def _fresh_step_fn() -> types.FunctionType:
     """A copy of ``_step_template`` with its own code object, hence its own Dynamo cache."""
     code = _step_template.__code__.replace(co_name=f"compiled_optimizer_step_{next(_instances)}")
     return types.FunctionType(code, _step_template.__globals__, code.co_name)
+
+
+def _update_groups(groups: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> None:
+    """Make each of ``groups`` equal to its loaded group, in place (anyone holding a group sees the load).
+
+    The compiled step reads the private copies (``_sync_shadows`` writes a loaded ``lr`` into their tensors),
+    so the values themselves are the loaded ones, as torch's ``load_state_dict`` leaves them.
+    """
+    for group, new in zip(groups, loaded):
+        group.clear()
+        group.update(new)
+
+
+def _update_state(state: dict[Any, dict[str, Any]], loaded: dict[Any, dict[str, Any]]) -> None:
+    """Make ``state`` (in place) equal to ``loaded``, copying into the tensors it holds already.
+
+    Shapes were checked before loading; a state tensor is kept wherever the loaded value is a tensor of its
+    shape, and takes the value with ``copy_`` (cast to its dtype, moved to its device).
+    """
+    for p in [p for p in state if p not in loaded]:
+        del state[p]
+    for p, new in loaded.items():
+        live = state.get(p)
+        if live is None:
+            state[p] = new
+            continue
+        for key in [key for key in live if key not in new]:
+            del live[key]
+        for key, value in new.items():
+            old = live.get(key)
+            if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
+                if old is not value:
+                    old.copy_(value)
+            else:
+                live[key] = value
 
 
 class CompiledOptimizer(torch.optim.Optimizer):
@@ -197,6 +235,9 @@ class CompiledOptimizer(torch.optim.Optimizer):
             self._shadows.append(shadow)
             self._last.append(last)
         self._inner.param_groups = self._shadows
+        self._steps_to_device()
+
+    def _steps_to_device(self) -> None:
         # capturable keeps `step` on the parameter's device; an eager checkpoint keeps it on the CPU.
         for p, s in self.state.items():
             step = s.get("step") if isinstance(s, dict) else None
@@ -260,22 +301,72 @@ class CompiledOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint of the wrapped optimizer's class (from the drop-in or the eager optimizer).
 
-        Loading goes through the wrapped optimizer, so its class's ``__setstate__`` fixes up old
-        checkpoints exactly as it would eagerly; the next step recompiles once (new state tensors).
+        Loading goes through the wrapped optimizer, so its class's ``__setstate__`` fixes up old checkpoints
+        exactly as it would eagerly. The loaded values are then copied into the state tensors and param groups
+        the drop-in already has (``copy_``: dtype, device and identity kept), because the compiled step guards
+        on the identity of every state tensor: a checkpoint loaded mid-run, in a live process, recompiles
+        nothing. State the drop-in does not hold yet (before the first step) is taken over as torch takes it
+        (the loaded tensors themselves: deep-copy a live optimizer's ``state_dict()`` first).
+
+        Raises:
+            ValueError: The state dict does not fit: a different number of groups or parameters (torch's
+                check), or a state tensor whose shape is not that of the state or parameter it loads into.
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self._check_state_shapes(state_dict)
+        groups, state = self.param_groups, self.state
         self.optimizer.load_state_dict(state_dict)
-        self.param_groups = self.optimizer.param_groups
-        self.state = self.optimizer.state
+        _update_groups(groups, self.optimizer.param_groups)
+        with torch.no_grad():
+            _update_state(state, self.optimizer.state)
+        self.optimizer.param_groups, self.optimizer.state = groups, state
         if self._inner is not None:
-            self._inner.state = self.state
-            self._shadows = []  # rebuilt at the next step, moving 'step' to the device
+            self._steps_to_device()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_state_shapes(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for a loaded state tensor whose shape differs from the one it replaces.
+
+        torch checks only the number of parameters per group; a state of another model's shapes would load
+        and fail later inside the step (or broadcast silently). Before the first step a tensor is checked
+        against its parameter's shape: every non-scalar state of the optimizers compiled here has it.
+        """
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            return  # the wrapped optimizer raises torch's own error
+        index = {
+            k: (gi, p)
+            for gi, (s, g) in enumerate(zip(saved_groups, self.param_groups))
+            for k, p in zip(s["params"], g["params"])
+        }
+        for k, saved in state_dict.get("state", {}).items():
+            if k not in index or not isinstance(saved, dict):
+                continue
+            gi, p = index[k]
+            live = self.state.get(p, {})
+            for key, value in saved.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                old = live.get(key)
+                if isinstance(old, torch.Tensor):
+                    expected, what = old.shape, "the state it replaces"
+                elif self._inner is not None and value.dim() > 0:
+                    expected, what = p.shape, "its parameter"
+                else:
+                    continue
+                if value.shape != expected:
+                    raise ValueError(
+                        f"optimizer state dict does not fit: state[{k!r}][{key!r}] (param group {gi}) has shape "
+                        f"{tuple(value.shape)}, {what} has {tuple(expected)}. Was it saved for another model? Load "
+                        "the checkpoint of this model, or build the optimizer over the parameters it was saved with"
+                    )
 
 
 def compile_optimizer(

@@ -445,8 +445,17 @@ class FlatOptimizer(torch.optim.Optimizer):
 
         Mirrors ``torch.optim.Optimizer.load_state_dict`` (hooks, validation, group update) but copies
         states into the fp32 flat buffers instead of casting them to the parameter dtype, which for
-        bf16 parameters would round the moments.
+        bf16 parameters would round the moments. Mid-run the values are copied into the buffers the
+        optimizer already has (states, step counters, and the parameters stay where they are), so a
+        CUDA graph that captured ``step()`` stays valid: call ``before_graph_replay()`` before the next
+        replay, as after any change of hyperparameters.
+
+        Raises:
+            ValueError: The state dict does not fit: a different number of groups or parameters, a state
+                tensor not of its parameter's shape, or a group setting this optimizer does not implement.
         """
+        if capturing():
+            raise RuntimeError(f"{type(self).__name__}.load_state_dict() during a CUDA graph capture")
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -465,26 +474,60 @@ class FlatOptimizer(torch.optim.Optimizer):
                 chain.from_iterable(s["params"] for s in saved_groups), chain.from_iterable(g["params"] for g in groups)
             )
         )
+        loaded = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
+        for k, v in state_dict["state"].items():
+            p = id_map.get(k)
+            for key in self.state_keys:
+                value = v.get(key) if p is not None else None
+                if isinstance(value, torch.Tensor) and value.shape != p.shape:
+                    raise ValueError(
+                        f"optimizer state dict does not fit: state[{k!r}][{key!r}] has shape {tuple(value.shape)}, "
+                        f"its parameter has {tuple(p.shape)}. Was it saved for another model? Load the checkpoint "
+                        "of this model, or build the optimizer over the parameters it was saved with"
+                    )
         for g, s in zip(groups, saved_groups):
             s["params"] = g["params"]
             if "param_names" in g and "param_names" not in s:
                 s["param_names"] = g["param_names"]
             self._check_group(s)
-        self.param_groups = saved_groups
-        # Snapshot now (torch's state_dict() hands out live tensors); copied into the flat buffers
-        # at the first step, or at once if they exist already.
-        self.state = defaultdict(
-            dict,
-            {
-                id_map[k]: {n: (t.detach().clone() if isinstance(t, torch.Tensor) else t) for n, t in v.items()}
-                for k, v in state_dict["state"].items()
-                if k in id_map
-            },
-        )
-        if self._flats is not None:
-            self._build()
+        for g, s in zip(groups, saved_groups):  # in place: the group dicts stay the optimizer's own
+            g.clear()
+            g.update(s)
+        if self._flats is None:
+            # Snapshot now (torch's state_dict() hands out live tensors); copied into the flat buffers
+            # when they are built, at the first step.
+            self.state = defaultdict(
+                dict,
+                {
+                    p: {n: (t.detach().clone() if isinstance(t, torch.Tensor) else t) for n, t in v.items()}
+                    for p, v in loaded.items()
+                },
+            )
+        else:
+            self._copy_into_buffers(loaded)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    @torch.no_grad()
+    def _copy_into_buffers(self, loaded: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Write loaded per-parameter states and step counts into the existing flat buffers (no new tensors).
+
+        A parameter without loaded state starts from zero, as in a fresh optimizer; the step count of a
+        flat group is the largest of its parameters', as when the buffers are built.
+        """
+        for i, ((_, flat), bufs) in enumerate(zip(self._flats, self._bufs)):
+            host_step = int(max((self._loaded_step(loaded[p]) for p in flat.params if loaded.get(p)), default=0))
+            for key, buf in bufs.items():
+                # Per view, not zero_() first: the loaded tensors may be these very views (a round trip).
+                for p, view in zip(flat.params, flat.views(buf)):
+                    value = loaded.get(p, {}).get(key)
+                    if value is None:
+                        view.zero_()
+                    else:
+                        view.copy_(value)
+            self._steps[i].fill_(float(host_step))
+            self._host_steps[i] = host_step
+        self._refresh_state()
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for a loaded group this optimizer cannot honour (e.g. amsgrad)."""
