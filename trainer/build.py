@@ -278,6 +278,31 @@ def splits_at_buckets(c) -> bool:
     return c.enabled and c.scope == "model" and not c.autograd
 
 
+def checkpoint_activations(model: nn.Module, cfg: Config, say=None) -> None:
+    """``train.activation_checkpointing`` on the model's repeated blocks, in place (idempotent); ``say`` says so.
+
+    Before anything compiles or wraps the blocks: the recompute is then inside their compiled graphs (and under
+    FSDP inside its hooks, which gather the parameters again for the backward).
+    """
+    t = cfg.train
+    if t.activation_checkpointing == "none":
+        if t.checkpoint_every_n != 1 and say:
+            say("train.checkpoint_every_n has no effect with train.activation_checkpointing=none")
+        return
+    if cfg.compile.autograd and not cfg.compile.enabled:
+        # Compiled autograd cannot trace an eager checkpoint's recompute (torch 2.13: "Attempted to call function
+        # marked as skipped ... unpack_hook"); inside a compiled forward the recompute is part of its graph.
+        raise ValueError(
+            f"train.activation_checkpointing={t.activation_checkpointing} with compile.autograd=true needs the "
+            "model compiled: set compile.enabled=true, or compile.autograd=false"
+        )
+    from trainer.models.recompute import apply_activation_checkpointing
+
+    note = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_n, cfg.compile.blocks)
+    if say:
+        say(f"activation checkpointing: {note}")
+
+
 def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple[nn.Module, object | None]:  # noqa: A002
     """Compilation and data-parallel wrapping: ``(the module the loop calls, the DDP graph splitter or None)``."""
     strategy = cfg.distributed.strategy
@@ -288,6 +313,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
         )
     if strategy != "none" and not env.distributed:
         say(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
+    checkpoint_activations(model, cfg, say=say)  # before compile and DDP; under FSDP shard() did it already
     plan = splitter = None
     if env.distributed and strategy == "ddp":
         from trainer.distributed import ddp
@@ -319,6 +345,7 @@ def shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
     from trainer.distributed.fsdp import DTYPES, apply_fsdp, describe_units
 
     c, d = cfg.compile, cfg.distributed
+    checkpoint_activations(model, cfg)  # inside the compiled forward and FSDP's hooks; wrap() says so
     if c.enabled:
         from trainer.compile.capture import apply_compile
 
@@ -340,11 +367,16 @@ def shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
 
 
 def uncompiled(model: nn.Module) -> nn.Module:
-    """Undo per-block compilation: ``nn.Module.compile`` on submodules and a compiled ``head_loss``."""
+    """Undo per-block compilation: ``nn.Module.compile`` on submodules and a compiled ``head_loss``; activation
+    checkpointing stays."""
+    from trainer.models.recompute import checkpointed
+
     for mod in model.modules():
         if getattr(mod, "_compiled_call_impl", None) is not None:
             mod._compiled_call_impl = None
-        mod.__dict__.pop("forward", None)  # a compiled forward set as an instance attribute (fsdp)
+        forward = mod.__dict__.pop("forward", None)  # a compiled forward set as an instance attribute (fsdp)
+        if checkpointed(forward) is not None:  # activation checkpointing's forward, compiled or not, stays
+            mod.forward = checkpointed(forward)
     model.__dict__.pop("head_loss", None)  # the instance attribute apply_compile set; the method shows again
     return model
 
