@@ -310,12 +310,6 @@ class Config:
             shape.update({k: getattr(self.model, k) for k in ("n_embd", "n_head") if getattr(self.model, k)})
             if shape["n_embd"] % shape["n_head"]:
                 raise ConfigError(f"model.n_embd: {shape['n_embd']} is not divisible by model.n_head={shape['n_head']}")
-        if self.optim.impl == "triton" and self.distributed.strategy == "fsdp":
-            raise ConfigError(
-                "optim.impl: 'triton' with distributed.strategy=fsdp is not supported: the Triton optimizer moves "
-                "parameters into its own flat buffers, and FSDP2 owns the sharded parameter storage; use "
-                "optim.impl=fused (or auto) with fsdp"
-            )
         if self.compile.inductor_options:
             from trainer.compile.capture import check_inductor_options
 

@@ -418,9 +418,10 @@ def resolve_impl(
     the fastest measured for a whole training step: gpt2-small B=16 T=1024 bf16, graphed, H100: 485K
     tok/s against 480K with torch's ``fused`` (the step alone with clipping: 1.38 ms vs 1.78 ms); 2 H200s,
     ddp: 490K vs 484K tok/s per GPU (docs/performance.md).
-    Not for ``sharded`` parameters (FSDP's DTensors) or ``scaled`` gradients (fp16's grad scaler, not
-    measured with ours), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused``
-    there. Elsewhere: ``foreach``.
+    Not for ``sharded`` parameters (FSDP's DTensors: ``triton`` updates their shards in place, but is not
+    measured against torch's ``fused`` there) or ``scaled`` gradients (fp16's grad scaler, not measured with
+    ours), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused`` there. Elsewhere:
+    ``foreach``.
     """
     if impl not in IMPLS:
         raise ValueError(f"optim.impl: expected one of {', '.join(IMPLS)}, got {impl!r}")
@@ -478,7 +479,9 @@ def build_optimizer(
         max_grad_norm: Global gradient-norm clip. Only ``triton`` applies it inside the step; for
             the others the caller clips (see ``clips_grad_norm``).
         device: Device the parameters will train on; defaults to the first parameter's.
-        sharded: The parameters are FSDP's DTensors (``auto`` then picks torch's optimizer).
+        sharded: The parameters are FSDP's DTensors (``auto`` then picks torch's optimizer; ``triton`` updates
+            each rank's shards where FSDP keeps them and all-reduces the clipping norm; ``compiled`` steps the
+            DTensors as they are).
         scaled: An fp16 grad scaler unscales the gradients (``auto`` then picks torch's optimizer).
 
     Returns:

@@ -24,6 +24,18 @@ Semantics that differ from torch's optimizers, by design:
   groups are rebuilt on the next step, states included; if something replaces ``p.grad`` (e.g.
   ``model.zero_grad()`` with ``set_to_none=True``), the new gradient is copied into the buffer.
 
+FSDP2's parameters (``DTensor``, each rank holding a shard) are not moved: FSDP owns their storage and
+all-gathers from it. The optimizer then updates each local shard where it lives and reads the gradients' local
+shards where FSDP's reduce-scatter left them (both through address tables,
+:mod:`~trainer.compile.kernels.grad_table`; still one launch per group). Its states are one tensor per parameter
+shaped like the local shard, shown in ``state`` (and ``state_dict()``, hence DCP) as ``DTensor``s laid out like
+their parameters, as torch's optimizers keep them. Not views of one flat buffer: torch (2.10 and later) gives a
+``DTensor`` its local tensor's storage offset (https://github.com/pytorch/pytorch/pull/167597), and
+``copy.deepcopy`` of a ``DTensor`` at a non-zero offset then fails ("invalid python storage"), so a user's
+``deepcopy(opt.state_dict())`` would. The kernels read the states through tables too, so nothing is lost. The
+clipping norm is the global one: the local sums of squares are all-reduced over the mesh dimensions the
+parameters are sharded on, on the device.
+
 Cost on the backward side: with ``.grad`` kept, autograd adds each new gradient into it
 (``grad += new``: read, read, write) and ``zero_grad`` writes zeros, about 16 bytes per fp32
 parameter per step more than torch's default ``set_to_none`` path, which adopts the new gradient
@@ -48,6 +60,7 @@ import torch
 
 from trainer.compile.kernels import grad_table
 from trainer.compile.kernels.grad_norm import grad_norm
+from trainer.compile.kernels.grad_table import is_dtensor, local_tensor
 from trainer.compile.kernels.runtime import capturing, triton_can_run
 
 # Each parameter starts on a 64-byte (and 16-element) boundary of its flat buffer, so the views keep
@@ -77,11 +90,15 @@ class FlatGroup:
         flat_grads: False leaves gradients alone (no gradient buffer; ``grad`` and ``grads`` are None, and
             ``sync_grads`` / ``zero_grad`` do not apply): for kernels that read them where autograd put them
             (:mod:`trainer.compile.kernels.grad_table`).
+        flat_params: False leaves the parameters where they are too (no parameter buffer: ``param`` is None), for
+            kernels that update them there; needs ``flat_grads=False``. The layout then follows each parameter's
+            local tensor (a ``DTensor``'s shard on this rank), and a "flat state buffer" is a list of tensors,
+            one per parameter (:meth:`zeros`), for kernels that read them through address tables.
         align: Each parameter's start, in elements (default: 64 bytes and at least 16 elements).
 
     Attributes:
         params: The parameters, in order.
-        param: The flat parameter buffer, shape ``(numel,)``.
+        param: The flat parameter buffer, shape ``(numel,)`` (None with ``flat_params=False``).
         grad: The flat gradient buffer, shape ``(numel,)``, same dtype as the parameters.
         grads: ``p.grad`` views into ``grad``, one per parameter.
         offsets: Start of each parameter in the flat buffers.
@@ -90,10 +107,18 @@ class FlatGroup:
         device: Device of every buffer.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], *, flat_grads: bool = True, align: int | None = None):
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        flat_grads: bool = True,
+        flat_params: bool = True,
+        align: int | None = None,
+    ):
         params = list(params)
         if not params:
             raise ValueError("FlatGroup needs at least one parameter")
+        assert flat_params or not flat_grads, "parameters left in place need their gradients left in place too"
         dtype, device = params[0].dtype, params[0].device
         for p in params:
             if p.dtype != dtype or p.device != device:
@@ -104,18 +129,23 @@ class FlatGroup:
         if len({id(p) for p in params}) != len(params):
             raise ValueError("FlatGroup got the same parameter twice")
         align = align or max(16, ALIGN_BYTES // params[0].element_size())  # elements
+        self.shapes = [local_tensor(p).shape for p in params]  # a DTensor's: its local shard's
         self.offsets: list[int] = []
         numel = 0
-        for p in params:
+        for shape in self.shapes:
             self.offsets.append(numel)
-            numel = _round_up(numel + p.numel(), align)
+            numel = _round_up(numel + shape.numel(), align)
         self.params = params
         self.numel = numel
         self.dtype = dtype
         self.device = device
-        self.param = torch.zeros(numel, dtype=dtype, device=device)
+        self.flat_params = flat_params
+        self.param = torch.zeros(numel, dtype=dtype, device=device) if flat_params else None
         self.grad = torch.zeros(numel, dtype=dtype, device=device) if flat_grads else None
         self.grads = None
+        if not flat_params:
+            self._data_ptrs = [local_tensor(p).data_ptr() for p in params]
+            return
         with torch.no_grad():
             for p, view in zip(params, self.views(self.param)):
                 view.copy_(p)
@@ -128,18 +158,25 @@ class FlatGroup:
                     p.grad = view
         self._data_ptrs = [p.data_ptr() for p in params]
 
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a flat buffer laid out like this group, shaped like each parameter."""
+    def views(self, flat: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of a flat buffer laid out like this group, shaped like each parameter (a list: itself)."""
+        if isinstance(flat, list):
+            return flat
         assert flat.shape == (self.numel,), (flat.shape, self.numel)
-        return [flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+        return [flat[o : o + shape.numel()].view(shape) for shape, o in zip(self.shapes, self.offsets)]
 
-    def zeros(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A new zero flat buffer with this group's layout (for optimizer states)."""
-        return torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)
+    def zeros(self, dtype: torch.dtype | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """A new zero flat buffer with this group's layout (for optimizer states); with ``flat_params=False``, a
+        zero tensor per parameter, shaped like its local tensor."""
+        dtype = dtype or self.dtype
+        if not self.flat_params:
+            return [torch.zeros(shape, dtype=dtype, device=self.device) for shape in self.shapes]
+        return torch.zeros(self.numel, dtype=dtype, device=self.device)
 
     def owns_params(self) -> bool:
-        """Whether every parameter still lives in ``self.param`` (``model.to()`` would move them out)."""
-        return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self._data_ptrs))
+        """Whether every parameter still lives in ``self.param`` (``model.to()`` would move them out); with
+        ``flat_params=False``, whether each still lives where it did when the group was built."""
+        return all(local_tensor(p).data_ptr() == ptr for p, ptr in zip(self.params, self._data_ptrs))
 
     def sync_grads(self) -> None:
         """Make every ``p.grad`` the view into ``self.grad`` again, copying a replaced gradient in.
@@ -185,6 +222,11 @@ class FlatOptimizer(torch.optim.Optimizer):
         flat_grads: Keep gradients in flat buffers too (see the module docstring); False leaves them where
             autograd puts them and the kernels read them through a table of their addresses
             (:mod:`trainer.compile.kernels.grad_table`), so ``zero_grad`` sets them to None as torch's does.
+            None (default): flat buffers, except for ``DTensor`` parameters (FSDP2's), which are always updated
+            where they live, with their gradients read where FSDP left them (``True`` is then an error).
+
+    Attributes:
+        sharded: The parameters are ``DTensor``s (see the module docstring).
 
     CUDA graphs: ``step()`` may be captured. Call ``before_graph_replay()`` before each replay (and before
     the capture: it writes the hyperparameters a schedule changed, which a captured write would freeze) and
@@ -194,17 +236,27 @@ class FlatOptimizer(torch.optim.Optimizer):
     state_keys: tuple[str, ...] = ()
     state_has_step = True  # torch's AdamW keeps a per-parameter 'step'; its SGD does not
 
-    def __init__(self, params: Any, defaults: dict[str, Any], max_grad_norm: float = 0.0, *, flat_grads: bool = True):
+    def __init__(
+        self, params: Any, defaults: dict[str, Any], max_grad_norm: float = 0.0, *, flat_grads: bool | None = None
+    ):
         if max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
         super().__init__(params, defaults)
         self.max_grad_norm = float(max_grad_norm)
-        self.flat_grads = flat_grads
+        self._norm_groups = self._shard_groups()
+        self.sharded = self._norm_groups is not None
+        if self.sharded and flat_grads:
+            raise ValueError(
+                f"{type(self).__name__}(flat_grads=True) cannot take DTensor parameters (FSDP2's): their shards stay "
+                "in FSDP's storage and their gradients where its reduce-scatter leaves them; leave flat_grads unset"
+            )
+        self.flat_grads = not self.sharded if flat_grads is None else flat_grads
         self.clips_grad_norm = self.max_grad_norm > 0
         self.last_grad_norm: torch.Tensor | None = None
         self._pending_norm: torch.Tensor | None = None  # from grad_norm(), used by the next step
         self._flats: list[tuple[int, FlatGroup]] | None = None  # (param-group index, group)
-        self._bufs: list[dict[str, torch.Tensor]] = []  # per flat group: state key -> flat fp32 buffer
+        # per flat group: state key -> flat fp32 buffer (in place: a tensor per parameter, see FlatGroup.zeros)
+        self._bufs: list[dict[str, torch.Tensor | list[torch.Tensor]]] = []
         self._steps: list[torch.Tensor] = []  # per flat group: fp32 step counter on device
         self._host_steps: list[int] = []  # the same count on the host, so state_dict needs no sync
         self._hparams_dev: list[torch.Tensor] = []  # per param group: float64 hyperparameters on device
@@ -232,7 +284,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         self,
         group: dict[str, Any],
         flat: FlatGroup,
-        bufs: dict[str, torch.Tensor],
+        bufs: dict[str, torch.Tensor | list[torch.Tensor]],
         step: torch.Tensor,
         hparams: torch.Tensor,
         grad_norm: torch.Tensor | None,
@@ -248,6 +300,30 @@ class FlatOptimizer(torch.optim.Optimizer):
         return float(state.get("step", 0))
 
     # -- building ------------------------------------------------------------------------------
+    def _shard_groups(self) -> list | None:
+        """The process groups to sum the clipping norm's squares over: those of the mesh dimensions the
+        ``DTensor`` parameters are sharded on (none of the replicated ones); None for plain tensors."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        dtensors = [p for p in params if is_dtensor(p)]
+        if not dtensors:
+            return None
+        name = type(self).__name__
+        if len(dtensors) != len(params):
+            raise ValueError(
+                f"{name} got DTensor parameters (FSDP2's) next to plain tensors; the gradient norm would count the "
+                "plain ones once per rank. Shard the whole model (fully_shard on the root), or use torch's optimizer"
+            )
+        mesh, placements = dtensors[0].device_mesh, tuple(dtensors[0].placements)
+        for p in dtensors:
+            if p.device_mesh != mesh or tuple(p.placements) != placements:
+                raise ValueError(
+                    f"{name} needs every DTensor parameter on one device mesh with one placement, got "
+                    f"{tuple(p.placements)} next to {placements}"
+                )
+        if any(pl.is_partial() for pl in placements):
+            raise ValueError(f"{name} cannot update parameters with a Partial placement: {placements}")
+        return [mesh.get_group(i) for i, pl in enumerate(placements) if not pl.is_replicate()]
+
     def _device_error(self, device: torch.device) -> str:
         return (
             f"{type(self).__name__} runs Triton kernels, which need a CUDA device; its parameters are on "
@@ -270,8 +346,9 @@ class FlatOptimizer(torch.optim.Optimizer):
                 if self.flat_grads:
                     flat = FlatGroup(ps)
                 else:
-                    flat = FlatGroup(ps, flat_grads=False, align=grad_table.BLOCK_SIZE)
-                    flat.table = grad_table.GradTable(ps, flat.offsets, flat.numel)
+                    in_place = self.sharded
+                    flat = FlatGroup(ps, flat_grads=False, flat_params=not in_place, align=grad_table.BLOCK_SIZE)
+                    flat.table = grad_table.GradTable(ps, flat.offsets, flat.numel, in_place=in_place)
                 bufs = {k: flat.zeros(torch.float32) for k in self.state_keys}
                 # torch keeps a step per parameter; a flat group steps as one. They agree unless
                 # some parameter never had a gradient, and then the group takes the largest.
@@ -279,7 +356,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 for p, *views in zip(ps, *(flat.views(b) for b in bufs.values())):
                     for key, view in zip(self.state_keys, views):
                         if saved.get(p, {}).get(key) is not None:
-                            view.copy_(saved[p][key])
+                            view.copy_(_local_like(saved[p][key], p))
                 self._flats.append((gi, flat))
                 self._bufs.append(bufs)
                 self._steps.append(torch.full((), float(host_step), dtype=torch.float32, device=flat.device))
@@ -306,7 +383,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(flat.params):
                 self.state[p] = {
                     **({"step": step} if self.state_has_step else {}),
-                    **{k: v[i] for k, v in per_key.items()},
+                    **{k: _like_param(v[i], p) for k, v in per_key.items()},
                 }
 
     def _export_state(self) -> dict[torch.Tensor, dict[str, Any]]:
@@ -394,7 +471,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if not self._flats:
             return torch.zeros((), dtype=torch.float32)
         if not self.flat_grads:
-            return grad_table.tables_norm([flat.table for _, flat in self._flats])
+            return grad_table.tables_norm([flat.table for _, flat in self._flats], self._norm_groups or ())
         return grad_norm([flat.grad for _, flat in self._flats])
 
     @torch.no_grad()
@@ -524,10 +601,35 @@ class FlatOptimizer(torch.optim.Optimizer):
                     if value is None:
                         view.zero_()
                     else:
-                        view.copy_(value)
+                        view.copy_(_local_like(value, p))
             self._steps[i].fill_(float(host_step))
             self._host_steps[i] = host_step
         self._refresh_state()
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for a loaded group this optimizer cannot honour (e.g. amsgrad)."""
+
+
+def _like_param(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A state tensor as torch's optimizers hold it for ``p``: for a ``DTensor`` parameter, a ``DTensor`` over it (the
+    same memory, so DCP reads and writes the optimizer's own state) laid out as ``p``; else the tensor itself."""
+    if not is_dtensor(p):
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def _local_like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The part of a loaded state tensor that this rank keeps for ``p``: for a ``DTensor`` parameter its local
+    shard (redistributed if the value is laid out otherwise; a whole plain tensor is sliced locally, without
+    communication), else the value (a ``DTensor`` value gathered whole)."""
+    if not is_dtensor(p):
+        return value.full_tensor() if is_dtensor(value) else value
+    from torch.distributed.tensor import distribute_tensor
+
+    if not is_dtensor(value):
+        value = distribute_tensor(value.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    elif value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
+        value = value.redistribute(p.device_mesh, p.placements)
+    return local_tensor(value)

@@ -6,6 +6,10 @@ or ``trainer::sgd_step`` op, or of the address-table kernel (:mod:`~trainer.comp
 
     from trainer.compile.kernels.optimizers import TritonAdamW
     opt = TritonAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, max_grad_norm=1.0, flat_grads=False)
+
+On FSDP2's ``DTensor`` parameters (``fully_shard``) each rank updates its local shards in place, where FSDP keeps
+them, with its states sized to them; the clipping norm is all-reduced over the shards (see
+:mod:`~trainer.compile.kernels.flat`).
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ class TritonAdamW(FlatOptimizer):
         weight_decay: Weight decay (decoupled for AdamW).
         max_grad_norm: Clip gradients to this global L2 norm inside the step; 0 disables. The
             pre-clip norm is left in ``last_grad_norm`` (a device tensor) for logging.
-        flat_grads: Gradients in a flat buffer too (default), or left where autograd puts them and read
-            through a table of addresses (:mod:`trainer.compile.kernels.grad_table`): no ``grad += new``
-            in the backward and no zeroing, for a single GPU without gradient accumulation.
+        flat_grads: Gradients in a flat buffer too (the default for plain tensors), or left where autograd puts
+            them and read through a table of addresses (:mod:`trainer.compile.kernels.grad_table`): no
+            ``grad += new`` in the backward and no zeroing, for a single GPU without gradient accumulation.
+            FSDP2's ``DTensor`` parameters always take the table, parameters included (leave it unset).
         decoupled_weight_decay: AdamW (true) or Adam with an L2 penalty (false).
 
     Raises:
@@ -57,7 +62,7 @@ class TritonAdamW(FlatOptimizer):
         *,
         max_grad_norm: float = 0.0,
         decoupled_weight_decay: bool = True,
-        flat_grads: bool = True,
+        flat_grads: bool | None = None,
     ):
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -123,7 +128,7 @@ class TritonAdam(TritonAdamW):
         weight_decay: float = 0.0,
         *,
         max_grad_norm: float = 0.0,
-        flat_grads: bool = True,
+        flat_grads: bool | None = None,
     ):
         super().__init__(
             params, lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, decoupled_weight_decay=False,
@@ -147,6 +152,7 @@ class TritonSGD(FlatOptimizer):
         weight_decay: L2 penalty added to the gradient.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening == 0).
         max_grad_norm: Clip gradients to this global L2 norm inside the step; 0 disables.
+        flat_grads: As for :class:`TritonAdamW`.
 
     Raises:
         ValueError: On invalid hyperparameters, or parameters on a device Triton cannot run on.
@@ -165,6 +171,7 @@ class TritonSGD(FlatOptimizer):
         nesterov: bool = False,
         *,
         max_grad_norm: float = 0.0,
+        flat_grads: bool | None = None,
     ):
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -186,7 +193,7 @@ class TritonSGD(FlatOptimizer):
             differentiable=False,
             fused=None,
         )
-        super().__init__(params, defaults, max_grad_norm)
+        super().__init__(params, defaults, max_grad_norm, flat_grads=flat_grads)
 
     def _kernel(self):
         return _sgd_kernel
@@ -202,6 +209,9 @@ class TritonSGD(FlatOptimizer):
 
     def _update(self, group, flat: FlatGroup, bufs, step, hparams, grad_norm) -> None:
         momentum_buffer = bufs["momentum_buffer"] if group["momentum"] != 0 else None
+        if not self.flat_grads:
+            flat.table.launch_sgd(flat.param, momentum_buffer, step, hparams, grad_norm, bool(group["nesterov"]))
+            return
         sgd_step(flat.param, flat.grad, momentum_buffer, step, hparams, grad_norm, bool(group["nesterov"]))
 
     def _has_state(self, group: dict[str, Any], host_step: int) -> bool:
