@@ -25,7 +25,7 @@ distinct set of addresses, a few at most), so the copy can be captured in a CUDA
 the addresses the graph's own gradients have.
 
 The updates are the flat kernels', element for element: AdamW's through ``adamw.adamw_update_block``; SGD's
-repeats ``sgd._sgd_kernel``'s arithmetic (see ``_sgd_update``). The norm is accumulated in fp32 per block, then
+shares ``sgd._sgd_kernel``'s arithmetic (``sgd.sgd_update_block``). The norm is accumulated in fp32 per block, then
 summed in one program (deterministic, no atomics); over shards (``tables_norm(..., groups)``) the partial sum
 of squares is all-reduced on the device before the square root.
 """
@@ -42,7 +42,7 @@ from trainer.compile.kernels.adamw import NUM_WARPS, adamw_coefs, adamw_update_b
 from trainer.compile.kernels.grad_norm import FINISH_BLOCK_SIZE, _sumsq_finish_kernel
 from trainer.compile.kernels.runtime import capturing
 from trainer.compile.kernels.sgd import N_COEFS as SGD_N_COEFS
-from trainer.compile.kernels.sgd import _sgd_coefs_kernel
+from trainer.compile.kernels.sgd import _sgd_coefs_kernel, sgd_update_block
 
 BLOCK_SIZE = 2048
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -167,36 +167,6 @@ def _adamw_in_place_kernel(
 
 
 @triton.jit
-def _sgd_update(params, g, momentum_buffer, mask, Coefs_ptr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                HAS_CLIP: tl.constexpr):  # fmt: skip
-    """One SGD update of a block in place (``params``, ``momentum_buffer``: blocks of pointers; ``g``: fp32), with
-    this step's coefficients from ``sgd._sgd_coefs_kernel``: ``sgd._sgd_kernel``'s arithmetic, operation for
-    operation (tests/test_fsdp_optim.py compares the two). It belongs in sgd.py as ``sgd_update_block``, shared by
-    both kernels, as adamw.py's ``adamw_update_block`` is."""
-    lr = tl.load(Coefs_ptr + 0)
-    weight_decay = tl.load(Coefs_ptr + 3)
-    p = tl.load(params, mask=mask, other=0.0).to(tl.float32)
-    if HAS_CLIP:
-        g = g * tl.load(Coefs_ptr + 4)
-    # torch skips the add when weight_decay == 0, which keeps g exact where p is inf.
-    g = tl.where(weight_decay != 0.0, g + weight_decay * p, g)
-    if HAS_MOMENTUM:
-        momentum = tl.load(Coefs_ptr + 1)
-        one_minus_dampening = tl.load(Coefs_ptr + 2)
-        first = tl.load(Coefs_ptr + 5)
-        buf = tl.load(momentum_buffer, mask=mask, other=0.0)
-        # First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1 - dampening).
-        buf = tl.where(first != 0.0, g, buf * momentum + one_minus_dampening * g)
-        tl.store(momentum_buffer, buf, mask=mask)
-        if NESTEROV:
-            g = g + momentum * buf
-        else:
-            g = buf
-    p = p - lr * g
-    tl.store(params, p.to(params.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _sgd_blocks_kernel(
     Param_ptr,
     ParamPtrs_ptr,
@@ -228,7 +198,7 @@ def _sgd_blocks_kernel(
         offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         params = Param_ptr + offsets
         momentum_buffer = MomentumBuffer_ptr + offsets
-    _sgd_update(params, g, momentum_buffer, mask, Coefs_ptr, HAS_MOMENTUM, NESTEROV, HAS_CLIP)
+    sgd_update_block(params, g, momentum_buffer, mask, Coefs_ptr, HAS_MOMENTUM, NESTEROV, HAS_CLIP)
 
 
 class GradTable:

@@ -38,6 +38,35 @@ def _sgd_coefs_kernel(Step_ptr, Hparams_ptr, GradNorm_ptr, Coefs_ptr, HAS_CLIP: 
 
 
 @triton.jit
+def sgd_update_block(params, g, momentum_buffer, mask, Coefs_ptr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                     HAS_CLIP: tl.constexpr):  # fmt: skip
+    """One SGD update of a block in place (``params``, ``momentum_buffer``: blocks of pointers; ``g``: the fp32
+    gradient), with this step's coefficients from :func:`_sgd_coefs_kernel`. The flat kernel and the address-table
+    kernel (grad_table.py) both call it."""
+    lr = tl.load(Coefs_ptr + 0)
+    weight_decay = tl.load(Coefs_ptr + 3)
+    p = tl.load(params, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CLIP:
+        g = g * tl.load(Coefs_ptr + 4)
+    # torch skips the add when weight_decay == 0, which keeps g exact where p is inf.
+    g = tl.where(weight_decay != 0.0, g + weight_decay * p, g)
+    if HAS_MOMENTUM:
+        momentum = tl.load(Coefs_ptr + 1)
+        one_minus_dampening = tl.load(Coefs_ptr + 2)
+        first = tl.load(Coefs_ptr + 5)
+        buf = tl.load(momentum_buffer, mask=mask, other=0.0)
+        # First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1 - dampening).
+        buf = tl.where(first != 0.0, g, buf * momentum + one_minus_dampening * g)
+        tl.store(momentum_buffer, buf, mask=mask)
+        if NESTEROV:
+            g = g + momentum * buf
+        else:
+            g = buf
+    p = p - lr * g
+    tl.store(params, p.to(params.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _sgd_kernel(
     Param_ptr,
     Grad_ptr,
@@ -52,28 +81,9 @@ def _sgd_kernel(
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
-    lr = tl.load(Coefs_ptr + 0)
-    weight_decay = tl.load(Coefs_ptr + 3)
-    p = tl.load(Param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(Grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_CLIP:
-        g = g * tl.load(Coefs_ptr + 4)
-    # torch skips the add when weight_decay == 0, which keeps g exact where p is inf.
-    g = tl.where(weight_decay != 0.0, g + weight_decay * p, g)
-    if HAS_MOMENTUM:
-        momentum = tl.load(Coefs_ptr + 1)
-        one_minus_dampening = tl.load(Coefs_ptr + 2)
-        first = tl.load(Coefs_ptr + 5)
-        buf = tl.load(MomentumBuffer_ptr + offsets, mask=mask, other=0.0)
-        # First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1 - dampening).
-        buf = tl.where(first != 0.0, g, buf * momentum + one_minus_dampening * g)
-        tl.store(MomentumBuffer_ptr + offsets, buf, mask=mask)
-        if NESTEROV:
-            g = g + momentum * buf
-        else:
-            g = buf
-    p = p - lr * g
-    tl.store(Param_ptr + offsets, p.to(Param_ptr.dtype.element_ty), mask=mask)
+    sgd_update_block(Param_ptr + offsets, g, MomentumBuffer_ptr + offsets, mask, Coefs_ptr, HAS_MOMENTUM, NESTEROV,
+                     HAS_CLIP)  # fmt: skip
 
 
 def launch_sgd(
