@@ -17,6 +17,7 @@ KERNEL_LAYERS = {
     "add_layer_norm": 2,
     "add_rms_norm": 2,
     "linear_cross_entropy": 2,
+    "flat_group": 3,
     "flat": 3,
     "optimizers": 3,
 }

@@ -28,7 +28,7 @@ from trainer.compile.kernels import adamw as adamw_mod  # noqa: E402
 from trainer.compile.kernels import grad_norm as grad_norm_mod  # noqa: E402
 from trainer.compile.kernels import sgd as sgd_mod  # noqa: E402
 from trainer.compile.kernels.adamw import adamw_step  # noqa: E402
-from trainer.compile.kernels.flat import FlatGroup  # noqa: E402
+from trainer.compile.kernels.flat_group import FlatGroup  # noqa: E402
 from trainer.compile.kernels.grad_norm import grad_norm  # noqa: E402
 from trainer.compile.kernels.optimizers import TritonAdam, TritonAdamW, TritonSGD  # noqa: E402
 from trainer.compile.kernels.runtime import triton_can_run  # noqa: E402

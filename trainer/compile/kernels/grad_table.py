@@ -1,6 +1,6 @@
 """Optimizer steps and the gradient norm through address tables: gradients (and parameters) left where they are.
 
-:class:`~trainer.compile.kernels.flat.FlatGroup` keeps every ``p.grad`` as a view into one flat buffer, so
+:class:`~trainer.compile.kernels.flat_group.FlatGroup` keeps every ``p.grad`` as a view into one flat buffer, so
 autograd adds each new gradient into it (``grad += new``: read, read, write) and ``zero_grad`` writes
 zeros: ~16 bytes per fp32 parameter per step on top of the optimizer's 28, more than the flat kernel saves
 over torch's fused AdamW on one GPU. Here only parameters and optimizer states are flat (unless in place,

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.compile.kernels.adamw import _adamw_kernel, adamw_step
-from trainer.compile.kernels.flat import FlatGroup, FlatOptimizer
+from trainer.compile.kernels.flat import FlatOptimizer
+from trainer.compile.kernels.flat_group import FlatGroup
 from trainer.compile.kernels.sgd import _sgd_kernel, sgd_step
 
 __all__ = ["TritonAdam", "TritonAdamW", "TritonSGD"]

@@ -8,8 +8,8 @@ The kernels are layered; a module imports only from the layers above its own:
    buffers), :mod:`~trainer.compile.kernels.grad_table` (AdamW and the norm through gradient addresses),
    :mod:`~trainer.compile.kernels.add_layer_norm`, :mod:`~trainer.compile.kernels.add_rms_norm` and
    :mod:`~trainer.compile.kernels.linear_cross_entropy` (model ops);
-3. flat buffers: :mod:`~trainer.compile.kernels.flat` (``FlatGroup``, ``FlatOptimizer``) and
-   :mod:`~trainer.compile.kernels.optimizers` (``TritonAdamW``, ``TritonAdam``, ``TritonSGD``).
+3. flat buffers: :mod:`~trainer.compile.kernels.flat_group` (``FlatGroup``), :mod:`~trainer.compile.kernels.flat`
+   (``FlatOptimizer``) and :mod:`~trainer.compile.kernels.optimizers` (``TritonAdamW``, ``TritonAdam``, ``TritonSGD``).
 
 ``tests/test_layout.py`` keeps it so.
 """
