@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 for what in "${@:-all}"; do
   if [[ $what == fit || $what == all ]]; then  # as shipped: compiled and graphed by default
-    python3 -m trainer fit configs/gpt2-small.yaml train.steps=80 run.dir=/tmp/fit_gpt2_small log.progress=false \
+    python3 -m trainer fit configs/gpt2-small.yaml train.steps=80 run.dir=/tmp/fit_gpt2_small run.overwrite=true log.progress=false \
       2>&1 | tee "$OUT/fit_gpt2_small.log" | tail -14
   fi
   if [[ $what == tests || $what == all ]]; then

@@ -12,12 +12,15 @@ Layout of ``<run.dir>/checkpoints/``::
 A checkpoint is written into a temporary directory, each file fsynced, then renamed into
 place; ``last`` moves (write + fsync + rename) only after that, and old checkpoints are
 pruned only after ``last`` moved. A crash at any moment leaves ``last`` naming a complete
-checkpoint. Files load with ``torch.load(weights_only=True)``: a pickled object that would
-run code is refused.
+checkpoint; a write that fails (a full disk) on any rank stops every rank with one error naming
+the file, the partial checkpoint removed and ``last`` unchanged. Files load with
+``torch.load(weights_only=True)``: a pickled object that would run code is refused.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import random
@@ -28,6 +31,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from trainer.distributed.env import every_rank
+from trainer.step import TrainingError
 
 META = "meta.json"
 LAST = "last"
@@ -53,10 +59,34 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, truncated, corrupt, unsafe or incompatible (exit 2)."""
 
 
-def fault_point(point: str, step: int) -> None:
-    """Fault injection for tests: ``TRAINER_FAULT=<point>:<step>`` SIGKILLs this process there."""
-    if os.environ.get("TRAINER_FAULT") == f"{point}:{step}":
+class CheckpointWriteError(TrainingError):
+    """A checkpoint could not be written (a full disk, a lost permission): the run stops, ``last`` unchanged."""
+
+
+_KILL_POINTS = ("checkpoint_write", "after_checkpoint", "kill")
+
+
+def fault_point(point: str, step: int, rank: int = 0) -> bool:
+    """Fault injection for tests: ``TRAINER_FAULT=<point>:<step>[@<rank>]`` fires at ``point`` of step ``step`` (on
+    every rank without ``@<rank>``).
+
+    Points: ``checkpoint_write`` (between two files of a checkpoint), ``after_checkpoint`` and ``kill`` (a step
+    launched) SIGKILL this process; ``raise`` (a step launched) raises a RuntimeError; ``nan_loss`` (the step's
+    loss, as read for the checks) and ``disk_full`` (this rank's last checkpoint file fails with ENOSPC) return
+    True for the caller to act on. Returns False everywhere else.
+    """
+    spec = os.environ.get("TRAINER_FAULT")
+    if not spec:
+        return False
+    name, _, where = spec.partition(":")
+    at_step, _, at_rank = where.partition("@")
+    if name != point or at_step != str(step) or (at_rank and at_rank != str(rank)):
+        return False
+    if point in _KILL_POINTS:
         os.kill(os.getpid(), signal.SIGKILL)
+    if point == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} (TRAINER_FAULT={spec})")
+    return True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -67,7 +97,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_file(obj: Any, path: Path) -> None:
+def _save_file(obj: Any, path: Path, disk_full: bool = False) -> None:
+    if disk_full:  # fault injection (tests): the disk fills up during this file
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -114,37 +146,50 @@ def save(
     is_main: bool,
     keep: int,
     barrier=lambda: None,
+    gather=lambda x: [x],
     write_shards=None,
+    write_main=None,
 ) -> Path:
     """Write one checkpoint atomically and move ``last`` to it.
 
     Every rank calls this; ``rank`` writes its RNG file, the main rank writes the rest and
-    renames. ``barrier`` separates the phases when several ranks write. ``write_shards(dir)``,
+    renames. ``barrier`` separates the phases when several ranks write; ``gather(x)`` returns every rank's
+    ``x`` (a collective), so that a write failing on one rank stops all. ``write_shards(dir)``,
     when given, is called on every rank to write sharded state (DCP) under ``dir/dcp``; then
-    ``model_state`` is None and no ``model.pt`` is written.
+    ``model_state`` is None and no ``model.pt`` is written. ``write_main()``, when given, runs on the main rank
+    with its writes (the compile cache beside the checkpoints).
+
+    Raises:
+        CheckpointWriteError: on every rank, when a rank could not write (a full disk): it names the file, the
+            partial checkpoint is removed, ``last`` still names the previous checkpoint.
     """
     name = checkpoint_name(step)
     final = ckpt_root / name
     tmp = ckpt_root / f".tmp-{name}"
-    if is_main:
+    disk_full = fault_point("disk_full", step, rank)
+
+    def make_tmp():
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    barrier()
-    _save_file(rng, tmp / f"rng_rank{rank}.pt")
-    if write_shards is not None:
-        write_shards(tmp / DCP_DIR)
-    if is_main:
-        if model_state is not None:
-            _save_file(model_state, tmp / "model.pt")
-        fault_point("checkpoint_write", step)  # between two files: the checkpoint is incomplete
-        _save_file(optim_state, tmp / "optim.pt")
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-    barrier()
-    if is_main:
+
+    def write():
+        _save_file(rng, tmp / f"rng_rank{rank}.pt", disk_full and not is_main)
+        if write_shards is not None:
+            write_shards(tmp / DCP_DIR)
+        if is_main:
+            if write_main is not None:
+                write_main()
+            if model_state is not None:
+                _save_file(model_state, tmp / "model.pt")
+            fault_point("checkpoint_write", step)  # between two files: the checkpoint is incomplete
+            _save_file(optim_state, tmp / "optim.pt", disk_full)
+            with open(tmp / META, "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def publish():
         _fsync_dir(tmp)
         if final.exists():  # a re-save of the same step (e.g. a signal right after a periodic save)
             shutil.rmtree(final)
@@ -156,10 +201,50 @@ def save(
             os.fsync(f.fileno())
         os.replace(pointer, ckpt_root / LAST)
         _fsync_dir(ckpt_root)
+
+    failed = _attempt(make_tmp, rank) if is_main else None
+    barrier()
+    failed = failed or _attempt(write, rank)
+    _stop_if_failed(gather(failed), step, ckpt_root, tmp if is_main else None)
+    _stop_if_failed(gather(_attempt(publish, rank) if is_main else None), step, ckpt_root, None)
+    if is_main:
         _prune(ckpt_root, keep)
     barrier()
     fault_point("after_checkpoint", step)
     return final
+
+
+def _attempt(fn, rank: int) -> tuple[str, int | None, int] | None:
+    """Run ``fn``; a failure to write (OSError, DCP's CheckpointException) as ``(message, errno, rank)``, else
+    None."""
+    try:
+        fn()
+    except OSError as e:
+        return str(e), e.errno, rank
+    except BaseException as e:
+        if type(e).__name__ != "CheckpointException":  # DCP's: every rank's failures, gathered
+            raise
+        return str(e), None, rank
+    return None
+
+
+def _stop_if_failed(failures: list, step: int, ckpt_root: Path, partial: Path | None) -> None:
+    """Raise :class:`CheckpointWriteError` on every rank if any rank failed (``failures``: every rank's)."""
+    failed = [f for f in failures if f]
+    if not failed:
+        return
+    if partial is not None:
+        shutil.rmtree(partial, ignore_errors=True)  # frees the space it took; ``last`` never named it
+    message, code, rank = failed[0]
+    message += f" (rank {rank})" if len(failures) > 1 else ""
+    pointer = ckpt_root / LAST
+    kept = (f"the last checkpoint is still {ckpt_root / pointer.read_text().strip()} (resume=last continues from it)"
+            if pointer.is_file() else "no checkpoint was saved before this one")  # fmt: skip
+    fix = "Free disk space (or set run.dir on another disk)" if code == errno.ENOSPC else "Fix the cause"
+    raise CheckpointWriteError(
+        f"cannot save the checkpoint of step {step}: {message}. Stopped; {kept}. {fix}, then resume.",
+        all_ranks=len(failures) > 1,
+    )
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:
@@ -341,14 +426,16 @@ class Checkpointer:
             optim_state["scaler"] = self.scaler.state_dict()
         meta = {"step": step, "tokens_seen": tokens_seen, "sampler": self.batches.state_dict(next_step=step),
                 "world_size": env.world_size, "config": to_dict(self.cfg)}  # fmt: skip
-        if env.is_main and (self.cfg.compile.enabled or self.cfg.compile.autograd):
+        write_main = None
+        if self.cfg.compile.enabled or self.cfg.compile.autograd:
             from trainer.compile import cache
 
-            cache.save_artifacts(self.root)
+            write_main = functools.partial(cache.save_artifacts, self.root)
         self.last = save(
             self.root, step=step, model_state=None if sharded else self.model.state_dict(), optim_state=optim_state,
             meta=meta, rng=rng_state(env.device), rank=env.rank, is_main=env.is_main, keep=self.cfg.checkpoint.keep,
             barrier=torch.distributed.barrier if env.distributed else (lambda: None),
+            gather=functools.partial(every_rank, env=env), write_main=write_main,
             write_shards=(lambda path: save_dcp(path, self.model, self.opt)) if sharded else None,
         )  # fmt: skip
         return self.last

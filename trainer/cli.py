@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _user_error(e: Exception) -> None:
     rank = os.environ.get("RANK")
+    if getattr(e, "all_ranks", False) and rank not in (None, "0"):  # every rank raised it: rank 0 reports it
+        return
     prefix = f"trainer: error (rank {rank})" if rank not in (None, "0") else "trainer: error"
     print(f"{prefix}: {e}", file=sys.stderr)
 
@@ -157,7 +159,9 @@ def _run(args) -> int:
     try:
         summary = Trainer(cfg, resume=resume).fit()
     except TrainingError as e:
-        print(f"trainer: {e}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        if not (e.all_ranks and rank != "0"):  # one that every rank raised together: rank 0 reports it
+            print(f"trainer: {e}" if rank == "0" else f"trainer (rank {rank}): {e}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     if os.environ.get("RANK", "0") == "0":
         _print_summary(summary)

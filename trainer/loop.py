@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer import build
+from trainer import build, rundir
 from trainer.checkpoint import Checkpointer
 from trainer.compile.report import RecompileLimitError
 from trainer.config import Config, to_yaml
@@ -22,7 +22,7 @@ from trainer.data import load_corpus
 from trainer.distributed import env as dist_env
 from trainer.metrics import Metrics, StepLog, peak_flops
 from trainer.models import flops_per_token
-from trainer.step import TrainingError
+from trainer.step import TrainingError, non_finite_loss
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -42,9 +42,12 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train for ``train.steps`` steps. Returns a summary (final loss, val loss, tokens/s, ...)."""
-        env = dist_env.setup(self.cfg.train.device, self.cfg.distributed.backend)
+        run, dist = self.cfg.run, self.cfg.distributed
+        env = dist_env.setup(self.cfg.train.device, dist.backend, dist.timeout_s)
+        # The run directory held (refused if it holds another run), stop signals caught, a lost rank named.
+        claim = rundir.claim(Path(run.dir), resume=self.resume, overwrite=run.overwrite, env=env)
         try:
-            with dist_env.StopSignals() as signals:
+            with claim, dist_env.StopSignals() as signals, dist_env.lost_rank_stops(env, dist.timeout_s, TrainingError):
                 return self._fit(env, signals)
         finally:
             dist_env.teardown(env)
@@ -87,18 +90,14 @@ class Trainer:
         metrics.print(build.describe_path(cfg, device, opt, why))
         watcher = build.compile_watcher(cfg, say=metrics.print)
 
-        def check(step_read: int, loss: float, first: bool) -> None:
-            """What every step's numbers must pass once read: few recompiles, a finite loss."""
+        def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
+            """What every step's numbers must pass once read: few recompiles, a finite loss (on every rank)."""
             try:
                 watcher and watcher.after_step(step_read, first)
             except RecompileLimitError as e:
                 raise TrainingError(str(e)) from None
             if not math.isfinite(loss):
-                kept = f"; the last good checkpoint is {ckpts.last}" if ckpts.last else ""
-                raise TrainingError(
-                    f"loss is {loss} at step {step_read}: stopping without saving{kept}. Lower "
-                    "optim.lr, raise schedule.warmup_steps, check the data, or set train.on_nan=skip."
-                )
+                raise non_finite_loss(loss, step_read, ranks, env.world_size, ckpts.last)
 
         log = StepLog(metrics, env=env, start_step=step, last_step=cfg.train.steps, log_every=cfg.log.every,
                       tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(raw_model, cfg.data.seq_len),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from trainer.distributed.env import all_reduce_mean
+from trainer.checkpoint import fault_point
+from trainer.distributed.env import per_rank
 
 # Dense bf16 peak FLOP/s by device-name substring, first match wins (datasheet numbers).
 # ``log.peak_flops`` overrides this; MFU is absent for devices not listed.
@@ -112,7 +114,8 @@ class Metrics:
         total_steps: for the progress bar.
         progress: show a live progress bar when stderr is a terminal.
         tensorboard: also write TensorBoard events.
-        start_step: the first step of this process (non-zero on resume).
+        start_step: the step this process starts after (non-zero on resume): rows of ``metrics.jsonl`` past it,
+            written by a run that stopped after the checkpoint resumed from, are dropped (with a note).
     """
 
     def __init__(self, run_dir: Path | None, *, total_steps: int, progress: bool, tensorboard: bool, start_step=0):
@@ -123,6 +126,10 @@ class Metrics:
         self._progress = None
         if not self.enabled:
             return
+        dropped = drop_rows_after(run_dir / "metrics.jsonl", start_step)
+        if dropped:
+            self.print(f"[yellow]metrics.jsonl: dropped {dropped} past step {start_step}, where this run "
+                       "continues (written after the checkpoint it resumes from)[/yellow]")  # fmt: skip
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: a crash loses nothing
         if tensorboard:
             try:
@@ -183,6 +190,36 @@ class Metrics:
             self._tb = None
 
 
+def drop_rows_after(path: Path, step: int) -> str | None:
+    """Rewrite ``path`` (a metrics.jsonl) without its rows past ``step`` and any unreadable row (a torn last line),
+    atomically (written aside, fsynced, renamed over); the rows kept are untouched. Returns what was dropped, in
+    words (``"3 rows (steps 21-25)"``), or None when nothing was."""
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return None
+    keep, past, torn = [], [], 0
+    for line in lines:
+        try:
+            row_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            torn += 1
+            continue
+        if not line.endswith("\n"):  # a last row cut short of its newline: the next append would join it
+            line += "\n"
+        (past if row_step > step else keep).append((row_step, line))
+    if not past and not torn:
+        return None
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(line for _, line in keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    what = [f"{len(past)} row{'s' if len(past) > 1 else ''} (steps {past[0][0]}-{past[-1][0]})"] if past else []
+    return " and ".join([*what, *([f"{torn} unreadable line{'s' if torn > 1 else ''}"] if torn else [])])
+
+
 def format_fields(record: dict[str, Any], fields: list[tuple[str, str]]) -> str:
     """``"a | b | c"`` from ``(key, template)`` pairs, skipping keys that are absent or None."""
     return " | ".join(t.format(record[k]) for k, t in fields if record.get(k) is not None)
@@ -218,24 +255,35 @@ def summary_line(r: dict[str, Any], compiled: bool = False) -> str:
 
 
 def copy_to_host(*values):
-    """Start copying scalar tensors to the host; returns a function that waits for them alone and gives floats.
+    """Start copying tensors to the host; returns a function that waits for them alone and gives their values:
+    a float for a scalar tensor or a number, a list of floats for a vector, None for None.
 
     ``tensor.item()`` would queue its copy behind everything launched since, so reading step k's loss after
     launching step k+1 would wait for step k+1 and leave the GPU idle while the host prepares step k+2. A
     non-blocking copy into pinned memory plus an event waits only for step k's own numbers.
     """
+
+    def value(v, it):
+        if not isinstance(v, torch.Tensor):
+            return float(v) if v is not None else None
+        got = [next(it) for _ in range(v.numel())]
+        return got[0] if v.dim() == 0 else got
+
     present = [v for v in values if isinstance(v, torch.Tensor)]
-    if not present or present[0].device.type != "cuda":
-        return lambda: [float(v) if v is not None else None for v in values]
-    host = torch.empty(len(present), dtype=torch.float32, pin_memory=True)
-    host.copy_(torch.stack([v.detach().float().reshape(()) for v in present]), non_blocking=True)
+    if not present or present[0].device.type != "cuda":  # read now: a buffer may be reused by the next step
+        got = [value(v, iter(v.detach().float().reshape(-1).tolist()) if isinstance(v, torch.Tensor) else None)
+               for v in values]  # fmt: skip
+        return lambda: got
+    flat = torch.cat([v.detach().float().reshape(-1) for v in present])
+    host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
 
-    def read() -> list[float | None]:
+    def read() -> list:
         done.synchronize()
         it = iter(host.tolist())
-        return [next(it) if isinstance(v, torch.Tensor) else (float(v) if v is not None else None) for v in values]
+        return [value(v, it) for v in values]
 
     return read
 
@@ -247,8 +295,12 @@ class StepLog:
     wait (for that step alone, :func:`copy_to_host`) never leaves it idle. :meth:`read` reads the queued step at
     once (before an evaluation or a checkpoint reads the state, and on the first step, whose time is the
     compile). Every read step moves the progress bar and, unless its update was skipped, goes through
-    ``check(step, loss, first)`` (a NaN loss, recompiles); the first step, every ``log_every``-th, the last and
-    forced reads become records.
+    ``check(step, loss, first, ranks)`` (a NaN loss, recompiles); the first step, every ``log_every``-th, the last
+    and forced reads become records.
+
+    Under torchrun each step's loss is gathered from every rank as it is queued (a collective of one float per
+    rank, no host sync): the loss read and checked is the mean over ranks on every rank, so every rank stops at the
+    same step when any rank's loss is not finite, and ``ranks`` names those ranks (None for one process).
 
     Args:
         metrics: where records go.
@@ -260,12 +312,13 @@ class StepLog:
         flops_per_token: training FLOPs per token, for MFU.
         peak_flops: the device's peak FLOP/s (None: no MFU).
         compiled: the first step includes the compile (its line says so).
-        check: ``check(step, loss, first)`` raises to stop the run.
+        check: ``check(step, loss, first, ranks)`` raises to stop the run (``ranks``: the ranks whose loss was
+            not finite, under torchrun).
     """
 
     def __init__(self, metrics: Metrics, *, env, start_step: int, last_step: int, log_every: int,
                  tokens_per_step: int, flops_per_token: float, peak_flops: float | None, compiled: bool,
-                 check: Callable[[int, float, bool], None]):  # fmt: skip
+                 check: Callable[[int, float, bool, list[int] | None], None]):  # fmt: skip
         self.metrics, self.env, self.start_step, self.last_step = metrics, env, start_step, last_step
         self.log_every, self.tokens_per_step, self.compiled, self.check = log_every, tokens_per_step, compiled, check
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -277,8 +330,14 @@ class StepLog:
         """Queue step ``step`` (``out``: its :class:`~trainer.step.StepOutput`, numbers still on the device) and
         write the record of the one before it."""
         self.write(self.read())
-        read = copy_to_host(out.loss, out.grad_norm)  # started now, waited for at the read
-        self.pending = {"step": step, "loss": out.loss, "read": read, "lr": lr, "tokens": tokens, "out": out}
+        rank, loss = self.env.rank, out.loss
+        fault_point("kill", step, rank)  # tests: this rank is lost here
+        fault_point("raise", step, rank)  # tests: this rank fails here
+        if fault_point("nan_loss", step, rank):  # tests: this rank's loss is not finite
+            loss = loss * float("nan")
+        losses = per_rank(loss, self.env) if self.env.distributed else loss  # (world,): every rank's
+        read = copy_to_host(losses, out.grad_norm)  # started now, waited for at the read
+        self.pending = {"step": step, "read": read, "lr": lr, "tokens": tokens, "out": out}
 
     def reads_at_once(self, step: int) -> bool:
         """Whether ``step`` is read as soon as it is queued: the first (its time is the compile), and every step on
@@ -291,20 +350,21 @@ class StepLog:
         if p is None:
             return None
         step, first = p["step"], p["step"] == self.start_step + 1
-        loss, grad_norm = p["read"]()  # waits for this step's two numbers only, not for the queued next step
+        loss, grad_norm = p["read"]()  # waits for this step's numbers only, not for the queued next step
+        ranks = None
+        if isinstance(loss, list):  # every rank's: the mean, and which ranks were not finite
+            ranks, loss = [r for r, x in enumerate(loss) if not math.isfinite(x)], sum(loss) / len(loss)
         self.timer.tick(self.tokens_per_step, first=first)
         if p["out"].skipped:  # not finite, and not applied: train.on_nan=skip
             self.metrics.print(f"[yellow]step {step}: non-finite loss or gradient norm; update skipped[/yellow]")
         else:
-            self.check(step, loss, first)
+            self.check(step, loss, first, ranks)
         self.metrics.advance(step, loss, self.timer.last_tps)
         if not (force or first or step % self.log_every == 0 or step == self.last_step):
             return None
         tps, step_time = self.timer.read()
-        distributed = self.env.distributed
-        record = {"step": step, "loss": all_reduce_mean(p["loss"], self.env).item() if distributed else loss,
-                  "lr": p["lr"], "grad_norm": grad_norm, "tokens_per_s": None if first else tps,
-                  "step_time": step_time, "tokens": p["tokens"]}  # fmt: skip
+        record = {"step": step, "loss": loss, "lr": p["lr"], "grad_norm": grad_norm,
+                  "tokens_per_s": None if first else tps, "step_time": step_time, "tokens": p["tokens"]}  # fmt: skip
         if first:
             record["first_step_s"] = step_time
         elif self.peak_flops is not None:

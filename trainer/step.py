@@ -37,7 +37,29 @@ BatchOf = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (a NaN loss, a compile failure, too many recompiles); the message says why."""
+    """The run cannot go on (a NaN loss, a compile failure, too many recompiles); the message says why.
+
+    ``all_ranks``: every rank raised it at the same point with the same message (rank 0 alone reports it).
+    """
+
+    def __init__(self, message: str, *, all_ranks: bool = False):
+        super().__init__(message)
+        self.all_ranks = all_ranks
+
+
+def non_finite_loss(loss: float, step: int, ranks: list[int] | None, world_size: int, last) -> TrainingError:
+    """The error that stops a run whose loss is not finite at ``step``: on every rank at once under torchrun
+    (``ranks``: those whose own loss was not finite); ``last``: the last checkpoint saved, or None."""
+    kept = f"; the last good checkpoint is {last}" if last else ""
+    where = ""
+    if ranks:
+        names = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        where = f" ({names} of {world_size}; every rank stops at this step)"
+    return TrainingError(
+        f"loss is {loss} at step {step}: stopping without saving{kept}{where}. Lower optim.lr, raise "
+        "schedule.warmup_steps, check the data, or set train.on_nan=skip.",
+        all_ranks=ranks is not None,
+    )
 
 
 class StepOutput(NamedTuple):

@@ -1,0 +1,171 @@
+"""Faults under torchrun (2 gloo ranks on CPU) and in one process: a rank killed, a rank raising, a NaN loss on one
+rank, a full disk during a checkpoint, a hung rank. Each ends the run promptly, with one message that names the
+rank or the file, and leaves the last checkpoint and the metrics usable."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import FAST, ROOT
+
+SHAPE = [f for f in FAST if not f.startswith(("train.micro_batch_size", "model.n_layer"))] + ["model.n_layer=1"]
+DDP = [*SHAPE, "train.micro_batch_size=2", "distributed.strategy=ddp", "log.every=1", "train.eval_every=0"]
+
+
+def _env(**extra: str) -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _torchrun_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
+            "fit", "configs/tiny.yaml", *DDP, *args]  # fmt: skip
+
+
+def _torchrun(*args, fault: str, timeout=120) -> tuple[subprocess.CompletedProcess, float]:
+    """Two ranks with ``TRAINER_FAULT=fault`` (see trainer.checkpoint.fault_point); the result and its seconds."""
+    start = time.monotonic()
+    r = subprocess.run(_torchrun_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env=_env(TRAINER_FAULT=fault))  # fmt: skip
+    return r, time.monotonic() - start
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _last(run_dir) -> str:
+    return (run_dir / "checkpoints" / "last").read_text().strip()
+
+
+def test_sigkill_of_one_rank_stops_the_other_naming_it(tmp_path):
+    """Rank 1 SIGKILLed mid-run (by the test, at whatever point of its step it is): rank 0 stops within seconds,
+    naming rank 1, instead of waiting for the collective timeout; torchrun's report names rank 1 as the cause."""
+    import psutil
+
+    proc = subprocess.Popen(_torchrun_cmd("train.steps=100000", f"run.dir={tmp_path}"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 5):
+        time.sleep(0.1)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "trainer" in " ".join(p.cmdline())]
+    rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    killed = time.monotonic()
+    rank1.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    seconds = time.monotonic() - killed
+    print(f"SIGKILL of rank 1 -> torchrun exited after {seconds:.2f} s")
+    assert proc.returncode != 0
+    assert seconds < 60, seconds  # observed ~0.3 s on 2 CPU cores (gloo sees the closed connection at once)
+    assert f"trainer: rank 0: lost rank 1 (pid {rank1.pid} " in err, err[-3000:]
+    assert "[rank0]: Traceback" not in err  # rank 0 stops with a message, not gloo's traceback
+    root_cause = err.split("Root Cause")[-1]
+    assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGKILL" in root_cause, root_cause
+    assert _rows(tmp_path)[-1]["step"] >= 5
+
+
+def test_exception_on_one_rank_ends_the_job_with_its_message(tmp_path):
+    r, seconds = _torchrun("train.steps=20", f"run.dir={tmp_path}", fault="raise:3@1")
+    print(f"RuntimeError on rank 1 -> torchrun exited after {seconds:.2f} s (start-up included)")
+    assert r.returncode != 0
+    assert "[rank1]: RuntimeError: injected fault on rank 1 at step 3" in r.stderr, r.stderr[-3000:]
+    assert "trainer: rank 0: lost rank 1 " in r.stderr  # and rank 0 says why it stopped, not a gloo traceback
+    assert "[rank0]: Traceback" not in r.stderr
+    assert "rank      : 1 (local_rank: 1)" in r.stderr.split("Root Cause")[-1]
+    assert max(row["step"] for row in _rows(tmp_path)) == 2
+
+
+def test_nan_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path):
+    """Rank 1's loss is NaN at step 5 (rank 0's is not): both stop at step 5 with one message, the checkpoint of
+    step 4 stays last. Without agreement rank 1 stops alone and rank 0 fails in its next collective."""
+    r, seconds = _torchrun("train.steps=20", "checkpoint.every=2", f"run.dir={tmp_path}", fault="nan_loss:5@1")
+    print(f"NaN loss on rank 1 -> torchrun exited after {seconds:.2f} s (start-up included)")
+    assert r.returncode != 0
+    err = r.stderr
+    assert err.count("loss is nan at step 5: stopping without saving") == 1, err[-3000:]
+    assert "(rank 1 of 2; every rank stops at this step)" in err
+    assert "lost rank" not in err and "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err, err
+    assert _last(tmp_path) == "step_000004"
+    assert max(row["step"] for row in _rows(tmp_path)) == 4
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_last_one(tmp_path, capsys, monkeypatch):
+    """One process: ENOSPC while writing the step-20 checkpoint: exit 1 naming the file, step 10 stays last, the
+    partial checkpoint is gone; resume=last continues from step 10 and drops the metrics rows past it."""
+    from trainer.cli import main
+
+    common = ["fit", "configs/tiny.yaml", *SHAPE, "train.steps=30", "checkpoint.every=10", "train.eval_every=0",
+              f"run.dir={tmp_path}"]  # fmt: skip
+    monkeypatch.setenv("TRAINER_FAULT", "disk_full:20")
+    start = time.monotonic()
+    assert main(common) == 1
+    print(f"ENOSPC at the step-20 checkpoint -> exit 1 after {time.monotonic() - start:.2f} s")
+    err = capsys.readouterr().err
+    optim = tmp_path / "checkpoints" / ".tmp-step_000020" / "optim.pt"
+    assert f"cannot save the checkpoint of step 20: [Errno 28] No space left on device: '{optim}'" in err, err
+    assert f"the last checkpoint is still {tmp_path / 'checkpoints' / 'step_000010'}" in err
+    assert "Traceback" not in err
+    assert _last(tmp_path) == "step_000010"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last", "step_000010"]
+    assert max(row["step"] for row in _rows(tmp_path)) == 20
+    assert not (tmp_path / ".lock").exists()  # released on the way out
+
+    monkeypatch.delenv("TRAINER_FAULT")
+    assert main([*common, "resume=last"]) == 0
+    assert "metrics.jsonl: dropped 2 rows (steps 15-20) past step 10" in capsys.readouterr().err
+    steps = [row["step"] for row in _rows(tmp_path)]
+    assert steps == [1, 5, 10, 11, 15, 20, 25, 30]  # the first step logged, log.every=5: increasing, no repeats
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_disk_full_on_one_rank_stops_both_cleanly(tmp_path, rank):
+    """Two ranks: ENOSPC on one rank's file of the step-4 checkpoint: both stop with one message naming that
+    file; step 2 stays last."""
+    r, seconds = _torchrun("train.steps=8", "checkpoint.every=2", f"run.dir={tmp_path}", fault=f"disk_full:4@{rank}")
+    print(f"ENOSPC on rank {rank} -> torchrun exited after {seconds:.2f} s (start-up included)")
+    assert r.returncode != 0
+    name = "optim.pt" if rank == 0 else "rng_rank1.pt"  # the main rank's last file; rank 1 writes one file
+    path = tmp_path / "checkpoints" / ".tmp-step_000004" / name
+    assert r.stderr.count(f"No space left on device: '{path}' (rank {rank})") == 1, r.stderr[-3000:]
+    assert "lost rank" not in r.stderr and "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
+    assert _last(tmp_path) == "step_000002"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last", "step_000002"]
+
+
+HUNG = """
+import sys, time, torch, torch.distributed as dist
+from trainer.distributed import env as dist_env
+from trainer.step import TrainingError
+
+env = dist_env.setup("cpu", "gloo", timeout_s=float(sys.argv[1]))
+if env.rank == 1:
+    time.sleep(4)  # hung: alive, but not in the collective
+else:
+    start = time.monotonic()
+    try:
+        with dist_env.lost_rank_stops(env, float(sys.argv[1]), TrainingError):
+            dist.all_reduce(torch.ones(1))
+    except TrainingError as e:
+        print(f"stopped after {time.monotonic() - start:.1f} s: {e}", flush=True)
+dist_env.teardown(env)
+"""
+
+
+def test_a_hung_rank_fails_the_collective_after_distributed_timeout_s(tmp_path):
+    """distributed.timeout_s reaches the process group: a rank waiting for a hung one stops after it, saying so."""
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "1"]
+    start = time.monotonic()
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env(PYTHONPATH=path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next((x for x in r.stdout.splitlines() if x.startswith("stopped after ")), r.stdout)
+    assert "rank 0: a collective waited longer than distributed.timeout_s=1 s" in line, line
+    print(f"distributed.timeout_s=1, a rank hung for 4 s: {line[:22]}; torchrun exited after "
+          f"{time.monotonic() - start:.1f} s (start-up included)")  # fmt: skip

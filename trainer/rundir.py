@@ -1,0 +1,274 @@
+"""The run directory: a fresh run never writes over an old one, and one live run at a time holds it.
+
+:func:`claim` runs at the start of ``fit`` (on rank 0 under torchrun; the other ranks learn its answer):
+
+- A directory that holds a run (rows in ``metrics.jsonl``, or checkpoints) refuses a fresh run with a
+  :class:`RunDirError` (exit 2) naming the old run and the ways on: ``resume=last`` continues it, another
+  ``run.dir`` starts elsewhere, ``run.overwrite=true`` moves it aside to ``<run.dir>.old-N`` (nothing is deleted).
+  A directory whose earlier run stopped before its first logged step (a config error) holds no run.
+- ``<run.dir>/.lock`` names the live run (pid, host, start time). A second run exits 2 naming them. A lock whose
+  process is gone (same host: the pid has exited, was reused, or the host rebooted) is taken over with a note; a
+  lock from another host cannot be checked from here and is respected (the message says how to remove it).
+- The lock is removed when the run ends, also on an error; a SIGKILLed run leaves it stale for the next to take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from trainer.distributed.env import DistEnv, every_rank, pid_alive
+
+LOCK = ".lock"
+_HELD: set[str] = set()  # the locks this process holds (absolute paths): a fit inside a fit in one directory
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (exit 2); the message says why and what to do.
+
+    ``all_ranks``: every rank raised it (rank 0 decided; rank 0 alone reports it).
+    """
+
+    def __init__(self, message: str, *, all_ranks: bool = False):
+        super().__init__(message)
+        self.all_ranks = all_ranks
+
+
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def claim(run_dir: Path, *, resume: str | None, overwrite: bool, env: DistEnv,
+          say: Callable[[str], None] = _note) -> Iterator[None]:  # fmt: skip
+    """Hold ``run_dir`` for the run inside the ``with``: refuse it if it holds another run (unless ``resume``, or
+    ``overwrite``: then move that run aside), lock it against a second live run, unlock on the way out.
+
+    Every rank calls this (rank 0 decides, the others wait for its answer: a collective under torchrun).
+
+    Raises:
+        RunDirError: on every rank: a live run holds the directory, or it holds a run that a fresh run would
+            overwrite (``run.overwrite=false``).
+    """
+    lock, refused = None, None
+    if env.is_main:
+        try:
+            lock = _claim(Path(run_dir), resume, overwrite, say)
+        except (RunDirError, OSError) as e:  # OSError: run.dir cannot be created or read
+            error = e if isinstance(e, RunDirError) else RunDirError(f"run.dir {run_dir}: {e}")
+            if not env.distributed:
+                raise error from None
+            refused = str(error)
+    if env.distributed and (refused := every_rank(refused, env)[0]):
+        raise RunDirError(refused, all_ranks=True)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim(run_dir: Path, resume: str | None, overwrite: bool, say: Callable[[str], None]) -> RunLock:
+    run_dir = Path(os.path.abspath(run_dir))
+    lock = RunLock(run_dir / LOCK)
+    lock.check()  # before anything is written: a live run holds the directory
+    old = describe(run_dir)
+    if old and not resume and not overwrite:
+        raise RunDirError(
+            f"run.dir {run_dir} holds a run ({old}); a fresh run would write over its history. Continue it with "
+            f"resume=last, start elsewhere with run.dir=<another directory>, or set run.overwrite=true to move it "
+            f"aside to {_aside(run_dir)} and start afresh here."
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock.acquire(say)
+    if old and not resume:  # run.overwrite=true: moved aside while this process holds the lock
+        try:
+            aside = _aside(run_dir)
+            os.rename(run_dir, aside)  # the lock moves with it: this process holds it in the new place below
+            run_dir.mkdir()
+            lock.acquire(say)
+            (aside / LOCK).unlink(missing_ok=True)
+        except BaseException:
+            lock.release()
+            raise
+        say(f"run.overwrite=true: moved the old run in {run_dir} ({old}) aside to {aside}; nothing was deleted")
+    return lock
+
+
+def _aside(run_dir: Path) -> Path:
+    """``<run_dir>.old-N`` with the first free N."""
+    n = 1
+    while (aside := run_dir.with_name(f"{run_dir.name}.old-{n}")).exists():
+        n += 1
+    return aside
+
+
+def describe(run_dir: Path) -> str | None:
+    """What run ``run_dir`` holds, in a few words (its last logged step, its last checkpoint); None for none."""
+    parts = []
+    step = last_logged_step(run_dir / "metrics.jsonl")
+    if step is not None:
+        parts.append(f"metrics.jsonl up to step {step}")
+    root = run_dir / "checkpoints"
+    pointer = root / "last"
+    done = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+    if pointer.is_file():
+        parts.append(f"last checkpoint {root / pointer.read_text().strip()}")
+    elif done:
+        parts.append(f"checkpoints {', '.join(done)}")
+    return "; ".join(parts) or None
+
+
+def last_logged_step(path: Path) -> int | None:
+    """The step of the last readable row of a ``metrics.jsonl``; None without one."""
+    try:
+        lines = path.read_text().splitlines()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+class RunLock:
+    """``<run.dir>/.lock``: a JSON file naming the live run. Created whole (written aside, then linked into place),
+    so a reader never sees half of one.
+
+    Args:
+        path: the lock file.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(os.path.abspath(path))
+        self.token = uuid.uuid4().hex
+        self.held = False
+
+    def check(self) -> None:
+        """Raise :class:`RunDirError` if a live run (or one on another host) holds the lock; a stale lock passes."""
+        info = self._read()
+        if info is not None:
+            self._refuse_if_live(info)
+
+    def acquire(self, say: Callable[[str], None]) -> None:
+        """Take the lock (again, if it moved away); a stale one is taken over with a note.
+
+        Raises:
+            RunDirError: a live run, or a run on another host, holds it.
+        """
+        for _ in range(3):
+            if self._create():
+                self.held = True
+                _HELD.add(str(self.path))
+                return
+            info = self._read()
+            if info is None:  # removed meanwhile: try again
+                continue
+            self._refuse_if_live(info)
+            say(f"{self.path} was left by a run that is no longer running ({_who(info)}): taking it over")
+            self.path.unlink(missing_ok=True)
+        raise RunDirError(f"{self.path}: another run keeps taking this lock; use another run.dir")
+
+    def release(self) -> None:
+        """Remove the lock if this process still holds it."""
+        if not self.held:
+            return
+        self.held = False
+        _HELD.discard(str(self.path))
+        info = self._read()
+        if info is not None and info.get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+
+    def _create(self) -> bool:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "token": self.token,
+                "boot_id": _boot_id(), "proc_start": _proc_start(os.getpid()), "argv": sys.argv[:20]}  # fmt: skip
+        tmp = self.path.with_name(f"{LOCK}.{self.token}")
+        tmp.write_text(json.dumps(info) + "\n")
+        try:
+            os.link(tmp, self.path)  # atomic, and fails if the lock exists
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # a filesystem without hard links: exclusive create, then the content
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(info) + "\n")
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _read(self) -> dict | None:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            info = json.loads(text)
+            return info if isinstance(info, dict) else {}
+        except ValueError:
+            return {}  # unreadable: nothing names a live run
+
+    def _refuse_if_live(self, info: dict) -> None:
+        here = socket.gethostname()
+        if info.get("host") not in (None, here):
+            raise RunDirError(
+                f"run.dir {self.path.parent} is locked by a run on host {info.get('host')} ({_who(info)}), which "
+                f"this host ({here}) cannot check. If that run has ended, delete {self.path} and start again; "
+                "otherwise use another run.dir."
+            )
+        if _alive(info, self.path):
+            raise RunDirError(
+                f"run.dir {self.path.parent} is in use by a live run ({_who(info)}; {self.path}). Wait for it to "
+                "end or stop it, or use another run.dir."
+            )
+
+
+def _alive(info: dict, path: Path) -> bool:
+    """Whether the process a lock of this host names still runs."""
+    pid = info.get("pid")
+    if not isinstance(pid, int):
+        return False
+    if pid == os.getpid():  # this process: alive only if it holds the lock now (else a previous life of this pid)
+        return str(path) in _HELD
+    if not pid_alive(pid):
+        return False
+    if info.get("boot_id") and _boot_id() and info["boot_id"] != _boot_id():
+        return False  # the host rebooted since: the pid is another process
+    start = _proc_start(pid)
+    return not (info.get("proc_start") and start and info["proc_start"] != start)  # not a reused pid
+
+
+def _who(info: dict) -> str:
+    return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _proc_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]  # fields from the 3rd (state) on, after the command
+    except (OSError, IndexError):
+        return None
