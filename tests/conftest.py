@@ -28,6 +28,25 @@ FAST = [
 ]
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Each test from an empty Dynamo cache and zeroed counters (recompile counts are per test)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def rank_process(launcher, rank: int):
+    """The psutil process of ``rank`` among the trainer workers a torchrun ``launcher`` (a Popen) started."""
+    import psutil
+
+    workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "trainer" in " ".join(p.cmdline())]
+    return next(p for p in workers if p.environ().get("RANK") == str(rank))
+
+
 def forbid_fallbacks(monkeypatch, module, *names: str) -> None:
     """Replace ``module``'s PyTorch fallbacks ``names`` with a failure: where Triton can run, a test of a kernel
     must test the kernel, not the fallback it would silently take."""

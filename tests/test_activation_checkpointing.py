@@ -21,11 +21,8 @@ VOCAB, T = 64, 16
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
+def _fresh_dynamo(fresh_dynamo):
     yield
-    torch._dynamo.reset()
 
 
 def _gpt(n_layer=4, dropout=0.0):

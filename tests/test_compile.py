@@ -16,11 +16,8 @@ from trainer.models import build_model
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
+def _fresh_dynamo(fresh_dynamo):
     yield
-    torch._dynamo.reset()
 
 
 class Broken(nn.Module):

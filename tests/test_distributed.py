@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, losses, metric
+from tests.conftest import FAST, ROOT, losses, metric, rank_process
 
 SHAPE = [f for f in FAST if not f.startswith("train.micro_batch_size")]
 
@@ -165,8 +165,6 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path):
     import signal
     import time
 
-    import psutil
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
            "fit", "configs/tiny.yaml", *SHAPE, "train.steps=100000", "log.every=2", "distributed.strategy=ddp",
            f"run.dir={tmp_path}"]  # fmt: skip
@@ -176,8 +174,7 @@ def test_sigterm_to_one_rank_stops_all_with_one_checkpoint(tmp_path):
     deadline = time.time() + 180
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         time.sleep(0.2)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "trainer" in " ".join(p.cmdline())]
-    rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    rank1 = rank_process(proc, 1)
     rank1.send_signal(signal.SIGTERM)  # as a scheduler would, to one process
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST, ROOT, rank_process
 
 SHAPE = [f for f in FAST if not f.startswith(("train.micro_batch_size", "model.n_layer"))] + ["model.n_layer=1"]
 DDP = [*SHAPE, "train.micro_batch_size=2", "distributed.strategy=ddp", "log.every=1", "train.eval_every=0"]
@@ -45,7 +45,6 @@ def _last(run_dir) -> str:
 def test_sigkill_of_one_rank_stops_the_other_naming_it(tmp_path):
     """Rank 1 SIGKILLed mid-run (by the test, at whatever point of its step it is): rank 0 stops within seconds,
     naming rank 1, instead of waiting for the collective timeout; torchrun's report names rank 1 as the cause."""
-    import psutil
 
     proc = subprocess.Popen(_torchrun_cmd("train.steps=100000", f"run.dir={tmp_path}"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())  # fmt: skip
@@ -53,8 +52,7 @@ def test_sigkill_of_one_rank_stops_the_other_naming_it(tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 5):
         time.sleep(0.1)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "trainer" in " ".join(p.cmdline())]
-    rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    rank1 = rank_process(proc, 1)
     killed = time.monotonic()
     rank1.send_signal(signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
