@@ -112,13 +112,16 @@ def _sdpa_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention]
 
 
-def causal_attention(gm: fx.GraphModule, hits) -> None:
-    """Rewrite each SDPA call of ``gm`` as the module docstring says; record hits and near-misses on ``hits``."""
+def causal_attention(gm: fx.GraphModule, hits, bound: dict | None = None) -> None:
+    """Rewrite each SDPA call of ``gm`` as the module docstring says; record hits and near-misses on ``hits``.
+
+    ``bound`` maps placeholders of ``gm`` to the ``(graph, node)`` they receive (``gm`` is the body of a checkpointed
+    region): a mask passed into the region is evaluated in the graph that built it."""
     for n in _sdpa_nodes(gm):
         call = _call(n)
         changed = False
         if isinstance(call.get("attn_mask"), fx.Node) and not call.get("is_causal"):
-            changed = _drop_causal_mask(gm, n, call, hits)
+            changed = _drop_causal_mask(gm, n, call, hits, bound or {})
         if call.get("attn_mask") is None and not call.get("enable_gqa"):
             changed = _group_heads(call) or changed
         if changed:
@@ -127,9 +130,10 @@ def causal_attention(gm: fx.GraphModule, hits) -> None:
     gm.graph.eliminate_dead_code()
 
 
-def _drop_causal_mask(gm: fx.GraphModule, n: fx.Node, call: dict, hits) -> bool:
+def _drop_causal_mask(gm: fx.GraphModule, n: fx.Node, call: dict, hits, bound: dict) -> bool:
     """Set ``attn_mask=None, is_causal=True`` in ``call`` where its mask is the causal one; else log why not."""
     mask = call["attn_mask"]
+    gm, mask = bound.get(mask, (gm, mask))  # a region's input: the mask as the enclosing graph computes it
     nodes = _ancestors(mask)
     if isinstance(nodes, str):
         hits.miss("causal_attention", n, nodes)

@@ -23,7 +23,8 @@ graph still says ``layer_norm``, ``add`` and ``cross_entropy`` (after AOTAutogra
 of aten ops, with the backward already derived), the pass is the same for every backend (Inductor, ``aot_eager``
 on a CPU with ``TRITON_INTERPRET=1``), and AOTAutograd then differentiates our ops through their registered
 autograd like any op. The distributed layer's graph splitter calls the same backend for each piece, so the pass
-runs inside DDP's pieces too (a pattern cut by a piece boundary stays as it was).
+runs inside DDP's pieces too (a pattern cut by a piece boundary stays as it was), and inside the bodies of
+activation-checkpointed regions (``train.activation_checkpointing``), which Dynamo captures as subgraphs.
 
 Numerics follow the reference: sums and statistics in fp32, outputs rounded once. A near-match whose meaning
 differs (no affine weight, a weight of ``1 + w``, eps outside the root, a norm over another dimension, a head
@@ -471,16 +472,42 @@ def _losses(gm, kernels: set[str], log, order) -> None:
 
 
 def substitute(gm: fx.GraphModule, kernels: set[str], log: KernelLog | None = None) -> fx.GraphModule:
-    """Rewrite ``gm`` (a graph Dynamo captured) in place with the ``kernels`` named (:data:`KERNEL_NAMES`)."""
+    """Rewrite ``gm`` (a graph Dynamo captured) in place with the ``kernels`` named (:data:`KERNEL_NAMES`), and the
+    bodies of its checkpointed regions (:func:`checkpointed_regions`) as well."""
     log = LOG if log is None else log
     unknown = set(kernels) - set(KERNEL_NAMES)
     assert not unknown, f"unknown kernels {unknown}"
     inputs = tuple(n.target for n in gm.graph.nodes if n.op == "placeholder")
     hits = _Hits(log)
+    _substitute_graph(gm, kernels, hits, {})
+    log.add_graph(inputs, list(hits))
+    return gm
+
+
+def checkpointed_regions(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, list]]:
+    """The activation-checkpointed regions of ``gm``: for each ``tag_activation_checkpoint`` call, its body (a
+    GraphModule) and the nodes of ``gm`` that its placeholders receive, in order."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    regions = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is hop and n.args and getattr(n.args[0], "op", None) == "get_attr":
+            body = getattr(gm, n.args[0].target, None)
+            if isinstance(body, fx.GraphModule):
+                regions.append((body, list(n.args[1:])))
+    return regions
+
+
+def _substitute_graph(gm: fx.GraphModule, kernels: set[str], hits: _Hits, bound: dict) -> None:
+    """The pass over one graph; ``bound`` maps the graph's placeholders to ``(graph, node)`` they receive outside
+    (a checkpointed region's inputs), so a causal mask built outside a region is still recognised inside it.
+
+    A region is a graph of its own (activation checkpointing recomputes it in the backward), so a pattern across
+    its boundary (the residual add of one block and the norm of the next) stays as it was: the norm gets the
+    kernel without the add."""
     if "causal_attention" in kernels:
         from trainer.compile.attention import causal_attention
 
-        causal_attention(gm, hits)
+        causal_attention(gm, hits, bound)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     if "add_layer_norm" in kernels:
         _layer_norms(gm, hits, order)
@@ -488,10 +515,13 @@ def substitute(gm: fx.GraphModule, kernels: set[str], log: KernelLog | None = No
         _rms_norms(gm, hits, order)
     if kernels & {"cross_entropy", "linear_cross_entropy"}:
         _losses(gm, kernels, hits, order)
-    log.add_graph(inputs, list(hits))
+    for body, operands in checkpointed_regions(gm):
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        inner = {p: (gm, a) for p, a in zip(placeholders, operands) if isinstance(a, fx.Node)}
+        inner = {p: bound.get(a, (g, a)) if a.op == "placeholder" else (g, a) for p, (g, a) in inner.items()}
+        _substitute_graph(body, kernels, hits, inner)
     gm.graph.lint()
     gm.recompile()
-    return gm
 
 
 def substituting(inner: Callable, kernels, log: KernelLog | None = None) -> Callable:
