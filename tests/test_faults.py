@@ -1,6 +1,6 @@
-"""Faults under torchrun (2 gloo ranks on CPU) and in one process: a rank killed, a rank raising, a NaN loss on one
-rank, a full disk during a checkpoint, a hung rank. Each ends the run promptly, with one message that names the
-rank or the file, and leaves the last checkpoint and the metrics usable."""
+"""Faults under torchrun (2 gloo ranks on CPU; 2 NCCL ranks on 2 GPUs) and in one process: a rank killed, a rank
+raising, a NaN loss on one rank, a full disk during a checkpoint, a hung rank. Each ends the run promptly, with one
+message that names the rank or the file, and leaves the last checkpoint and the metrics usable."""
 
 import json
 import os
@@ -17,19 +17,24 @@ SHAPE = [f for f in FAST if not f.startswith(("train.micro_batch_size", "model.n
 DDP = [*SHAPE, "train.micro_batch_size=2", "distributed.strategy=ddp", "log.every=1", "train.eval_every=0"]
 
 
+# The same faults on 2 gloo ranks (CPU) and on 2 NCCL ranks (2 GPUs; eager: the faults do not depend on compiling).
+DEVICES = [pytest.param("cpu", id="gloo"), pytest.param("cuda", id="nccl", marks=pytest.mark.multi_gpu)]
+ON = {"cpu": [], "cuda": ["train.device=cuda", "compile.enabled=false", "compile.cudagraphs=false"]}
+
+
 def _env(**extra: str) -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
 
 
-def _torchrun_cmd(*args) -> list[str]:
+def _torchrun_cmd(device: str, *args) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
-            "fit", "configs/tiny.yaml", *DDP, *args]  # fmt: skip
+            "fit", "configs/tiny.yaml", *DDP, *ON[device], *args]  # fmt: skip
 
 
-def _torchrun(*args, fault: str, timeout=120) -> tuple[subprocess.CompletedProcess, float]:
+def _torchrun(device: str, *args, fault: str, timeout=180) -> tuple[subprocess.CompletedProcess, float]:
     """Two ranks with ``TRAINER_FAULT=fault`` (see trainer.checkpoint.fault_point); the result and its seconds."""
     start = time.monotonic()
-    r = subprocess.run(_torchrun_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    r = subprocess.run(_torchrun_cmd(device, *args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                        env=_env(TRAINER_FAULT=fault))  # fmt: skip
     return r, time.monotonic() - start
 
@@ -42,11 +47,14 @@ def _last(run_dir) -> str:
     return (run_dir / "checkpoints" / "last").read_text().strip()
 
 
-def test_sigkill_of_one_rank_stops_the_other_naming_it(tmp_path):
-    """Rank 1 SIGKILLed mid-run (by the test, at whatever point of its step it is): rank 0 stops within seconds,
-    naming rank 1, instead of waiting for the collective timeout; torchrun's report names rank 1 as the cause."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_sigkill_of_one_rank_stops_the_other_naming_it(tmp_path, device):
+    """Rank 1 SIGKILLed mid-run (by the test, at whatever point of its step it is): rank 0 stops within seconds
+    instead of waiting for the collective timeout; torchrun's report names rank 1 as the cause. With gloo rank 0
+    sees the closed connection and says so itself; with NCCL it waits inside the collective until torchrun, which
+    saw rank 1 die, ends it."""
 
-    proc = subprocess.Popen(_torchrun_cmd("train.steps=100000", f"run.dir={tmp_path}"), cwd=ROOT,
+    proc = subprocess.Popen(_torchrun_cmd(device, "train.steps=100000", f"run.dir={tmp_path}"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())  # fmt: skip
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -57,32 +65,37 @@ def test_sigkill_of_one_rank_stops_the_other_naming_it(tmp_path):
     rank1.send_signal(signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - killed
-    print(f"SIGKILL of rank 1 -> torchrun exited after {seconds:.2f} s")
+    print(f"SIGKILL of rank 1 ({device}) -> torchrun exited after {seconds:.2f} s")
     assert proc.returncode != 0
     assert seconds < 60, seconds  # observed ~0.3 s on 2 CPU cores (gloo sees the closed connection at once)
-    assert f"trainer: rank 0: lost rank 1 (pid {rank1.pid} " in err, err[-3000:]
-    assert "[rank0]: Traceback" not in err  # rank 0 stops with a message, not gloo's traceback
+    if device == "cpu":
+        assert f"trainer: rank 0: lost rank 1 (pid {rank1.pid} " in err, err[-3000:]
+        assert "[rank0]: Traceback" not in err  # rank 0 stops with a message, not gloo's traceback
     root_cause = err.split("Root Cause")[-1]
     assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGKILL" in root_cause, root_cause
     assert _rows(tmp_path)[-1]["step"] >= 5
 
 
-def test_exception_on_one_rank_ends_the_job_with_its_message(tmp_path):
-    r, seconds = _torchrun("train.steps=20", f"run.dir={tmp_path}", fault="raise:3@1")
-    print(f"RuntimeError on rank 1 -> torchrun exited after {seconds:.2f} s (start-up included)")
+@pytest.mark.parametrize("device", DEVICES)
+def test_exception_on_one_rank_ends_the_job_with_its_message(tmp_path, device):
+    r, seconds = _torchrun(device, "train.steps=20", f"run.dir={tmp_path}", fault="raise:3@1")
+    print(f"RuntimeError on rank 1 ({device}) -> torchrun exited after {seconds:.2f} s (start-up included)")
     assert r.returncode != 0
     assert "[rank1]: RuntimeError: injected fault on rank 1 at step 3" in r.stderr, r.stderr[-3000:]
-    assert "trainer: rank 0: lost rank 1 " in r.stderr  # and rank 0 says why it stopped, not a gloo traceback
-    assert "[rank0]: Traceback" not in r.stderr
+    if device == "cpu":  # rank 0 says why it stopped, not a gloo traceback (NCCL: torchrun ends rank 0)
+        assert "trainer: rank 0: lost rank 1 " in r.stderr
+        assert "[rank0]: Traceback" not in r.stderr
     assert "rank      : 1 (local_rank: 1)" in r.stderr.split("Root Cause")[-1]
     assert max(row["step"] for row in _rows(tmp_path)) == 2
 
 
-def test_nan_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path, device):
     """Rank 1's loss is NaN at step 5 (rank 0's is not): both stop at step 5 with one message, the checkpoint of
     step 4 stays last. Without agreement rank 1 stops alone and rank 0 fails in its next collective."""
-    r, seconds = _torchrun("train.steps=20", "checkpoint.every=2", f"run.dir={tmp_path}", fault="nan_loss:5@1")
-    print(f"NaN loss on rank 1 -> torchrun exited after {seconds:.2f} s (start-up included)")
+    args = ("train.steps=20", "checkpoint.every=2", f"run.dir={tmp_path}")
+    r, seconds = _torchrun(device, *args, fault="nan_loss:5@1")
+    print(f"NaN loss on rank 1 ({device}) -> torchrun exited after {seconds:.2f} s (start-up included)")
     assert r.returncode != 0
     err = r.stderr
     assert err.count("loss is nan at step 5: stopping without saving") == 1, err[-3000:]
@@ -120,12 +133,14 @@ def test_disk_full_during_a_checkpoint_keeps_the_last_one(tmp_path, capsys, monk
     assert steps == [1, 5, 10, 11, 15, 20, 25, 30]  # the first step logged, log.every=5: increasing, no repeats
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_disk_full_on_one_rank_stops_both_cleanly(tmp_path, rank):
+def test_disk_full_on_one_rank_stops_both_cleanly(tmp_path, rank, device):
     """Two ranks: ENOSPC on one rank's file of the step-4 checkpoint: both stop with one message naming that
     file; step 2 stays last."""
-    r, seconds = _torchrun("train.steps=8", "checkpoint.every=2", f"run.dir={tmp_path}", fault=f"disk_full:4@{rank}")
-    print(f"ENOSPC on rank {rank} -> torchrun exited after {seconds:.2f} s (start-up included)")
+    args = ("train.steps=8", "checkpoint.every=2", f"run.dir={tmp_path}")
+    r, seconds = _torchrun(device, *args, fault=f"disk_full:4@{rank}")
+    print(f"ENOSPC on rank {rank} ({device}) -> torchrun exited after {seconds:.2f} s (start-up included)")
     assert r.returncode != 0
     name = "optim.pt" if rank == 0 else "rng_rank1.pt"  # the main rank's last file; rank 1 writes one file
     path = tmp_path / "checkpoints" / ".tmp-step_000004" / name
