@@ -182,3 +182,22 @@ def test_a_hung_rank_fails_the_collective_after_distributed_timeout_s(tmp_path):
     assert "rank 0: a collective waited longer than distributed.timeout_s=1 s" in line, line
     print(f"distributed.timeout_s=1, a rank hung for 4 s: {line[:22]}; torchrun exited after "
           f"{time.monotonic() - start:.1f} s (start-up included)")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend, failed, want", [("nccl", True, "abort"), ("nccl", False, "destroy"),
+                                                   ("gloo", True, "destroy")])  # fmt: skip
+def test_a_failed_nccl_run_aborts_its_process_group(monkeypatch, backend, failed, want):
+    """Destroying an NCCL group waits for its unfinished collectives (a lost peer's never finish): after a failure
+    the group is aborted. gloo has no abort; its destroy returns."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.distributed import env as dist_env
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda *a: calls.append("abort"))
+    env = dist_env.DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend=backend)
+    dist_env.teardown(env, failed=failed)
+    assert calls == [want]

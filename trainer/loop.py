@@ -46,11 +46,14 @@ class Trainer:
         env = dist_env.setup(self.cfg.train.device, dist.backend, dist.timeout_s)
         # The run directory held (refused if it holds another run), stop signals caught, a lost rank named.
         claim = rundir.claim(Path(run.dir), resume=self.resume, overwrite=run.overwrite, env=env)
+        failed = True
         try:
             with claim, dist_env.StopSignals() as signals, dist_env.lost_rank_stops(env, dist.timeout_s, TrainingError):
-                return self._fit(env, signals)
+                summary = self._fit(env, signals)
+            failed = False
+            return summary
         finally:
-            dist_env.teardown(env)
+            dist_env.teardown(env, failed=failed)
 
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals) -> dict:
         device, say = env.device, (lambda m: print(m, flush=True)) if env.is_main else None

@@ -80,8 +80,16 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float | None =
     return env
 
 
-def teardown(env: DistEnv) -> None:
-    if env.distributed and dist.is_initialized():
+def teardown(env: DistEnv, failed: bool = False) -> None:
+    """End the process group. After a failure (``failed``) an NCCL group is aborted instead: destroying it waits for
+    its unfinished collectives, which a peer that stopped answering never completes, so a rank that raised would
+    hang in its way out (and keep the others waiting) instead of exiting for torchrun to end the job."""
+    if not (env.distributed and dist.is_initialized()):
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if failed and env.backend == "nccl" and abort is not None:
+        abort()
+    else:
         dist.destroy_process_group()
 
 
