@@ -18,6 +18,11 @@ HF_LLAMA_1B = dict(  # Llama-3.2-1B's shape (1.24B parameters)
     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
     rope_theta=500000.0, tie_word_embeddings=True, hidden_act="silu",
 )  # fmt: skip
+HF_LLAMA_8B = dict(  # Llama-3-8B's shape (8.03B parameters)
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu",
+)  # fmt: skip
 
 MODELS = {
     "gpt2-small": {"kind": "builtin", "preset": "gpt2-small", "vocab": 50304, "seq": 1024, "batch": 16},
@@ -33,6 +38,7 @@ MODELS = {
     },  # fmt: skip
     "hf-gpt2-124m": {"kind": "hf", "config": HF_GPT2_124M, "seq": 1024, "batch": 16},
     "hf-llama-1b": {"kind": "hf", "config": HF_LLAMA_1B, "seq": 2048, "batch": 4},
+    "hf-llama-8b": {"kind": "hf", "config": HF_LLAMA_8B, "seq": 2048, "batch": 2},
 }
 
 
