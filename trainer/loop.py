@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,14 +47,11 @@ class Trainer:
         env = dist_env.setup(self.cfg.train.device, dist.backend, dist.timeout_s)
         # The run directory held (refused if it holds another run), stop signals caught, a lost rank named.
         claim = rundir.claim(Path(run.dir), resume=self.resume, overwrite=run.overwrite, env=env)
-        failed = True
         try:
             with claim, dist_env.StopSignals() as signals, dist_env.lost_rank_stops(env, dist.timeout_s, TrainingError):
-                summary = self._fit(env, signals)
-            failed = False
-            return summary
+                return self._fit(env, signals)
         finally:
-            dist_env.teardown(env, failed=failed)
+            dist_env.teardown(env, failed=sys.exc_info()[0] is not None)  # an exception on its way out
 
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals) -> dict:
         device, say = env.device, (lambda m: print(m, flush=True)) if env.is_main else None
