@@ -68,6 +68,8 @@ def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str
     if c.cudagraphs and device.type == "cuda":
         path += f", the whole step replayed as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps"
     kernels = [f"{opt.impl} {cfg.optim.name}"]
+    if getattr(opt, "shard_world", None):  # distributed.shard_optimizer (trainer.distributed.zero)
+        kernels.append(f"optimizer state sharded over {opt.shard_world} ranks")
     if c.enabled and c.kernels:
         kernels.append(f"kernels substituted where they match: {' '.join(c.kernels)}")
     reasons = f" ({'; '.join(why)})" if why else ""
@@ -110,16 +112,16 @@ def backward_context(cfg: Config):
                                      options=options)  # fmt: skip
 
 
-def eager_fallback(raw_model: nn.Module, cfg: Config, env, say):
+def eager_fallback(raw_model: nn.Module, cfg: Config, env, say, opt=None):
     """``compile.fallback``: None (a compile failure stops the run), or for ``eager`` what replaces a model whose
-    compile failed: the same parameters, uncompiled, wrapped again for data parallelism."""
+    compile failed: the same parameters, uncompiled, wrapped again for data parallelism (``opt``: as :func:`wrap`)."""
     if cfg.compile.fallback != "eager":
         return None
 
     def fallback(model: nn.Module) -> nn.Module:
         if hasattr(model, "remove_hooks"):
             model.remove_hooks()  # the new wrapper registers its own on the same parameters
-        return wrap(uncompiled(raw_model), cfg, env, say=say, compile=False)[0]
+        return wrap(uncompiled(raw_model), cfg, env, say=say, compile=False, opt=opt)[0]
 
     return fallback
 
@@ -148,7 +150,7 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, cfg: Config,
         model, raw_model, opt, grad_accum=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, scaler=scaler,
         amp_dtype=amp_dtype(cfg.train.precision, env.device), env=env, graphed=cfg.compile.cudagraphs,
         skip_non_finite=cfg.train.on_nan == "skip", backward_ctx=backward_context(cfg),
-        fallback=eager_fallback(raw_model, cfg, env, say), say=say,
+        fallback=eager_fallback(raw_model, cfg, env, say, opt=opt), say=say,
     )  # fmt: skip
 
 
@@ -192,23 +194,35 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, env=None) -> torch.optim.Optimizer:
+    """The optimizer the config describes over ``model``'s :func:`param_groups`.
+
+    With ``distributed.shard_optimizer`` under torchrun (``env``) and ddp, a
+    :class:`~trainer.distributed.zero.ShardedOptimizer`: it moves the parameters into the bucket plan's flat buffers
+    (build it before :func:`wrap`, which reduces over its plan) and keeps this rank's shard of the state, in torch's
+    optimizer (``auto``: fused on CUDA; ours re-lays parameters out in buffers of its own).
+    """
     from trainer.compile import optimizer
 
-    o = cfg.optim
+    o, d = cfg.optim, cfg.distributed
+    kwargs = dict(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                  momentum=o.momentum, device=device)  # fmt: skip
+    groups = param_groups(model, o.weight_decay)
+    if env is not None and env.distributed and d.strategy == "ddp" and d.shard_optimizer:
+        from trainer.distributed import zero
+        from trainer.distributed.buckets import plan_buckets
+
+        plan = plan_buckets(model, d.bucket_mb, cfg.compile.blocks, d.split_tail)
+        impl = "fused" if o.impl == "auto" and device.type == "cuda" else o.impl
+        inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=impl, max_grad_norm=0.0, **kwargs)
+        return zero.ShardedOptimizer(groups, plan, inner, max_grad_norm=o.grad_clip)
     return optimizer.build_optimizer(
-        param_groups(model, o.weight_decay),
-        name=o.name,
+        groups,
         impl=o.impl,
-        lr=o.lr,
-        betas=tuple(o.betas),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        momentum=o.momentum,
         max_grad_norm=o.grad_clip,
-        device=device,
         sharded=is_sharded(model),
         scaled=amp_dtype(cfg.train.precision, device) == torch.float16,
+        **kwargs,
     )
 
 
@@ -303,8 +317,12 @@ def checkpoint_activations(model: nn.Module, cfg: Config, say=None) -> None:
         say(f"activation checkpointing: {note}")
 
 
-def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple[nn.Module, object | None]:  # noqa: A002
-    """Compilation and data-parallel wrapping: ``(the module the loop calls, the DDP graph splitter or None)``."""
+def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True,  # noqa: A002
+         opt=None) -> tuple[nn.Module, object | None]:  # fmt: skip
+    """Compilation and data-parallel wrapping: ``(the module the loop calls, the DDP graph splitter or None)``.
+
+    ``opt``: the run's optimizer; a sharded one (``distributed.shard_optimizer``) brings the bucket plan and the flat
+    buffers its parameters live in, and ddp reduce-scatters into its gradient shards."""
     strategy = cfg.distributed.strategy
     if env.distributed and strategy == "none":
         raise ValueError(
@@ -313,13 +331,17 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
         )
     if strategy != "none" and not env.distributed:
         say(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
+        if cfg.distributed.shard_optimizer:
+            say("distributed.shard_optimizer=true has no effect in a single process (no torchrun)")
     checkpoint_activations(model, cfg, say=say)  # before compile and DDP; under FSDP shard() did it already
     plan = splitter = None
+    shards = getattr(opt, "shards", None)  # distributed.shard_optimizer: the plan the parameters were moved into
     if env.distributed and strategy == "ddp":
         from trainer.distributed import ddp
         from trainer.distributed.buckets import plan_buckets
 
-        plan = plan_buckets(model, cfg.distributed.bucket_mb, cfg.compile.blocks, cfg.distributed.split_tail)
+        d = cfg.distributed
+        plan = shards.plan if shards is not None else plan_buckets(model, d.bucket_mb, cfg.compile.blocks, d.split_tail)
         if compile and splits_at_buckets(cfg.compile):
             c = cfg.compile
             from trainer.compile.capture import enabled_kernels, inner_backend
@@ -334,7 +356,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True) -> tuple
     if plan is not None:
         from trainer.distributed.fsdp import DTYPES
 
-        model = ddp.DataParallel(model, plan, reduce_dtype=DTYPES[cfg.distributed.reduce_dtype])
+        model = ddp.DataParallel(model, plan, reduce_dtype=DTYPES[cfg.distributed.reduce_dtype], shards=shards)
     return model, splitter
 
 

@@ -75,7 +75,7 @@ class Trainer:
         amp_dtype = build.amp_dtype(cfg.train.precision, device)
         if env.distributed and cfg.distributed.strategy == "fsdp":
             build.shard(raw_model, cfg, amp_dtype, say=say)
-        opt = build.build_optimizer(raw_model, cfg, device)
+        opt = build.build_optimizer(raw_model, cfg, device, env)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
         scaler = build.grad_scaler(amp_dtype, device)
         ckpts = Checkpointer(run_dir, cfg, env, raw_model, opt, sched, scaler, batches)
@@ -84,7 +84,7 @@ class Trainer:
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
                           tensorboard=cfg.log.tensorboard, start_step=step)  # fmt: skip
-        model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print)
+        model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print, opt=opt)
         train_step = build.train_step(model, raw_model, opt, scaler, cfg, env, say=metrics.print)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         metrics.print(build.describe_run(cfg, env, raw_model, corpus, amp_dtype, tokens_per_step))

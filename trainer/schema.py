@@ -211,8 +211,9 @@ class CompileConfig:
     cudagraphs: bool | str = _f("auto", choices=["auto", True, False])
     """After 3 ordinary steps, capture the whole step (forward, backward, clipping, optimizer; with ddp the bucket
     all-reduces too) as one CUDA graph and replay it. auto = on wherever the step allows it: CUDA, compiled, static
-    shapes, adamw or adam with optim.impl auto/fused/foreach/triton, not fsdp, not fp16, not train.on_nan=skip (the
-    startup line says why when it is off); true insists, and a config it cannot apply is an error."""
+    shapes, adamw or adam with optim.impl auto/fused/foreach/triton, not fsdp, not fp16, not train.on_nan=skip, not
+    distributed.shard_optimizer (the startup line says why when it is off); true insists, and a config it cannot
+    apply is an error."""
     cache_dir: str | None = None
     """Compile cache directory; null = inside the run directory."""
 
@@ -243,6 +244,12 @@ class DistributedConfig:
     reduce_dtype: str = _f("fp32", choices=["fp32", "bf16"])
     """DDP and FSDP: dtype gradients are reduced in. bf16 halves the bytes on the wire (for fp32 gradients) and the
     sum itself is computed in bf16; fp32 sums them in fp32 (bf16 gradients too: upcast for the reduction)."""
+    shard_optimizer: bool = False
+    """ddp: each rank keeps and updates 1/world of the optimizer state: each bucket's gradients are reduce-scattered,
+    every rank updates its shard of the bucket's parameters, and the parameters are all-gathered; the optimizer
+    state's memory divides by the world size. Checkpoints hold the whole state, as without it, so a run resumes on
+    any number of GPUs, with or without sharding. Not with compile.autograd, fp16, optim.impl=triton or
+    compile.cudagraphs."""
 
 
 @dataclass(kw_only=True)
@@ -330,7 +337,29 @@ class Config:
                 "compile.autograd: compiled autograd with distributed.strategy=fsdp is silently wrong in torch "
                 ">= 2.13 (parameters stay unsharded, gradients are not reduced); set compile.autograd=false"
             )
+        if self.distributed.shard_optimizer:
+            _check_shard_optimizer(self)
         m = self.model
         if m.attention != "auto" and (m.target is not None or m.hf is not None):
             which = "model.target" if m.target is not None else "model.hf"
             raise ConfigError(f"model.attention: applies to the built-in GPT only; drop it with {which}")
+
+
+def _check_shard_optimizer(cfg: Config) -> None:
+    """What ``distributed.shard_optimizer`` cannot run with (``compile.cudagraphs``: :mod:`trainer.compile.graphed`)."""
+    d, why = cfg.distributed, None
+    if d.strategy != "ddp":
+        fsdp = " (fsdp shards the optimizer state with the parameters already)" if d.strategy == "fsdp" else ""
+        why = f"needs distributed.strategy=ddp, got {d.strategy}{fsdp}"
+    elif cfg.compile.autograd:
+        why = ("not with compile.autograd=true (the reduce-scatters are not traced into the backward graph); set "
+               "compile.autograd=false")  # fmt: skip
+    elif cfg.train.precision == "fp16":
+        why = ("not with train.precision=fp16 (its grad scaler unscales and checks whole gradients, which no rank "
+               "has); use bf16 or fp32")  # fmt: skip
+    elif cfg.optim.impl == "triton":
+        why = ("not with optim.impl=triton (our Triton optimizers move their parameters into flat buffers of their "
+               "own; a rank's shard must stay a view of its bucket's buffer); use auto (torch's fused on CUDA), fused, "
+               "foreach, eager or compiled")  # fmt: skip
+    if why:
+        raise ConfigError(f"distributed.shard_optimizer: {why}")

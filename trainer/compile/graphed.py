@@ -33,7 +33,8 @@ speed (473K vs 472K tokens/s per GPU); it pays where
 the host is the bottleneck.
 
 Not supported (refused by the config): fp16 with a grad scaler (its skip-step logic reads the host),
-``train.on_nan=skip`` (the step is inside the graph), FSDP (its hooks run Python between kernels).
+``train.on_nan=skip`` (the step is inside the graph), FSDP (its hooks run Python between kernels),
+``distributed.shard_optimizer`` (its optimizer keeps a float lr and is not made capturable).
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def _requirements(cfg) -> list[tuple[bool, str, str]]:
             "(Inductor's own CUDA graphs cannot nest in ours)",
         ),
         (cfg.optim.name == "sgd", "optim.name", "adamw or adam (torch's SGD has no capturable mode)"),
+        (
+            d.shard_optimizer and d.strategy == "ddp",
+            "distributed.shard_optimizer",
+            "false (the sharded step's collectives and learning rate are not captured)",
+        ),
     ]
 
 

@@ -30,6 +30,10 @@ any reducer's buckets (the C++ reducer even rebuilds its buckets after the first
 starts a piece at the first forward use of a bucket's parameters, so the backward of piece ``k``
 completes exactly bucket ``n-1-k``, whose all-reduce then overlaps the backward of the pieces
 before it.
+
+With ``shards`` (``distributed.shard_optimizer``, :mod:`trainer.distributed.zero`) each bucket is flattened into a
+padded buffer and reduce-scattered instead: each rank receives its shard of the reduced bucket, for the sharded
+optimizer, and the parameters' ``.grad`` are dropped (no rank has the whole reduced gradients).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class DataParallel(nn.Module):
         reduce_dtype: dtype the buckets are all-reduced in (None: the gradients' own). A narrower one
             (bf16 for fp32 gradients) halves the bytes on the wire and rounds each rank's gradient to it
             before the sum; the reduced bucket is cast back to the gradients' dtype.
+        shards: a :class:`~trainer.distributed.zero.BucketShards` over ``plan`` (its parameters live in its flat
+            buffers): each bucket is reduce-scattered into this rank's gradient shard (not under compiled autograd).
     """
 
     def __init__(
@@ -70,6 +76,7 @@ class DataParallel(nn.Module):
         *,
         broadcast: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        shards=None,
     ):
         super().__init__()
         self.module = module
@@ -81,6 +88,7 @@ class DataParallel(nn.Module):
         self._scale = 1.0 if self._op == "avg" else 1.0 / dist.get_world_size(self._group)
         self._sync = True
         self._reduce_dtype = reduce_dtype
+        self._shards = shards
         n = len(plan.buckets)
         self._counts = [len(b.params) for b in plan.buckets]
         self._ready = [0] * n
@@ -131,6 +139,10 @@ class DataParallel(nn.Module):
         grads = [p.grad for p in self.plan.buckets[b].params]
         dtype = self._reduce_dtype or grads[0].dtype
         traced = torch.compiler.is_compiling()  # by compiled autograd: the all-reduce must be a graph node
+        if self._shards is not None:  # refused with compiled autograd by the config
+            assert not traced, "distributed.shard_optimizer under compiled autograd"
+            self._reduced[b] = self._shards.reduce_scatter(b, grads, dtype, self._scale, self._reduce_op)
+            return
         if not traced and dtype == grads[0].dtype and self._in_place_ok(grads):
             # The gradients are reduced where they are, by one coalesced collective over the bucket's tensors
             # (NCCL: one group, one kernel): no flat copy, so no read and write of every gradient byte.
@@ -185,11 +197,20 @@ class DataParallel(nn.Module):
         all-reduces still run: the norm of every bucket but the last hides under the last reduction
         (GPT-2's embedding table, reduced after the whole backward), instead of starting after it.
         Returns None without ``norm`` or inside :meth:`no_sync`.
+
+        With ``shards`` the reduced gradients are this rank's shards only (the sharded optimizer computes the norm
+        from them); ``norm`` is then ignored and None returned.
         """
         if not self._sync:
             return None
         for bucket in self.plan.buckets[self._next[0] :]:  # in plan order, after the ones already started
             self._late(bucket)
+        if self._shards is not None:
+            self._shards.wait(self._reduced)
+            self._reduced[:] = [None] * len(self._reduced)
+            self._ready[:] = [0] * len(self._ready)
+            self._next[0] = 0
+            return None
         norms = []
         for bucket in self.plan.buckets:
             reduced = self._reduced[bucket.index]
