@@ -99,6 +99,12 @@ def _split_resume(overrides: list[str]) -> tuple[list[str], str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.distributed.env import exit_code
+
+    return exit_code(_main(argv))  # a torchrun worker that used gloo exits here (see exit_code)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
