@@ -121,12 +121,13 @@ def _main(argv: list[str] | None) -> int:
         return 130
 
 
-def _user_error(e: Exception) -> None:
-    rank = os.environ.get("RANK")
-    if getattr(e, "all_ranks", False) and rank not in (None, "0"):  # every rank raised it: rank 0 reports it
+def _user_error(e: Exception, prefix: str = "trainer: error") -> None:
+    """Print ``e`` on stderr, naming the rank under torchrun (but rank 0); one that every rank raised together
+    (``e.all_ranks``) is printed by rank 0 alone."""
+    rank = os.environ.get("RANK", "0")
+    if getattr(e, "all_ranks", False) and rank != "0":
         return
-    prefix = f"trainer: error (rank {rank})" if rank not in (None, "0") else "trainer: error"
-    print(f"{prefix}: {e}", file=sys.stderr)
+    print(f"{prefix}: {e}" if rank == "0" else f"{prefix} (rank {rank}): {e}", file=sys.stderr)
 
 
 def _run(args) -> int:
@@ -165,9 +166,7 @@ def _run(args) -> int:
     try:
         summary = Trainer(cfg, resume=resume).fit()
     except TrainingError as e:
-        rank = os.environ.get("RANK", "0")
-        if not (e.all_ranks and rank != "0"):  # one that every rank raised together: rank 0 reports it
-            print(f"trainer: {e}" if rank == "0" else f"trainer (rank {rank}): {e}", file=sys.stderr)
+        _user_error(e, prefix="trainer")
         return EXIT_TRAINING_FAILED
     if os.environ.get("RANK", "0") == "0":
         _print_summary(summary)

@@ -130,11 +130,8 @@ def per_rank(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     without a host sync: an all-reduce of one-hot rows, so a NaN stays in its rank's slot).
 
     The result is one buffer, overwritten by the next call (in stream order on a GPU): copy it before then. It lives
-    as long as the process. With a fresh tensor per step, rank 1 of a finished gloo run at times aborted at exit
-    ("terminate called without an active exception", exit -6): in 3 of 7 runs of tests/test_distributed.py beside
-    tests/test_faults.py (pytest -n 2, 2 CPU cores, torch 2.13), in 0 of 6 with this buffer. Our reading: a gloo
-    worker thread dropped the last reference to such a tensor while the interpreter shut down (as in
-    https://github.com/pytorch/pytorch/pull/179291); re-check when that lands.
+    as long as the process (no allocation per step; a gloo collective's tensors freed late at exit: see
+    :func:`exit_code`).
     """
     row = _ROWS.get((env.world_size, t.device))
     if row is None:

@@ -95,9 +95,6 @@ class BucketShards:
         self.plan = plan
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        # gloo: the tensors each kind of collective used last stay referenced here (see keep()).
-        self._gloo = dist.get_backend(self.group) == "gloo"
-        self._kept: dict[object, tuple[torch.Tensor, ...]] = {}
         self.flats: list[torch.Tensor] = []  # per bucket: (padded,) the parameters, then zeros
         self.own: list[torch.Tensor] = []  # per bucket: this rank's range of the flat buffer, the all-gather's input
         self.grad_shards: list[torch.Tensor] = []  # per bucket: (padded / world,) this rank's reduced gradients
@@ -149,27 +146,9 @@ class BucketShards:
         shard = self.grad_shards[b]
         out = shard if dtype == shard.dtype else torch.empty(shard.shape, dtype=dtype, device=shard.device)
         work = _reduce_scatter(out, flat, op=op, group=self.group, async_op=True)
-        self.keep(("reduce_scatter", b), flat, out)
         for p in bucket.params:
             p.grad = None
         return flat, out, work  # the input stays referenced until the collective is waited for
-
-    def keep(self, kind: object, *tensors: torch.Tensor) -> None:
-        """gloo: hold ``tensors`` (what a collective of ``kind`` just used) until the next collective of that kind.
-
-        A gloo worker thread frees a finished collective's tensors itself, and a barrier keeps the collectives in
-        flight before it alive until the barrier is freed. If Python let go of such a tensor first, its Python
-        object lives on in the C++ tensor, and the worker must take the GIL to free it: right before interpreter
-        exit (the last checkpoint's barrier) it cannot, and the process aborts ("terminate called without an active
-        exception"; in gdb: ~AsyncBarrierWork -> ~AsyncAllgatherWork -> decref_pyobject -> take_gil during
-        Py_FinalizeEx). Two-rank CPU runs with sharding, two at a time on 2 cores: 5 of 107 aborted without this, 1 of
-        70 with it (that one from the checkpoint's own all_gather_object before its last barrier). Tensors Python
-        still holds are freed by the worker without the GIL. https://github.com/pytorch/pytorch/pull/179291 tried
-        to drain gloo's work at exit; remove this once torch does. NCCL frees a work's tensors in ``wait()``, on the
-        calling thread: nothing is held there.
-        """
-        if self._gloo:
-            self._kept[kind] = tensors
 
     def wait(self, pending: Sequence[tuple | None]) -> None:
         """Wait for the reduce-scatters :meth:`reduce_scatter` started (one entry per bucket); the gradient shards
@@ -191,7 +170,6 @@ class BucketShards:
         """Bucket ``b``'s whole flat tensor from each rank's ``local`` shard of it (a collective)."""
         full = torch.empty(self.flats[b].numel(), dtype=local.dtype, device=local.device)
         _all_gather(full, local, group=self.group)
-        self.keep("gather", local, full)
         return full
 
 
@@ -257,7 +235,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in self.shards.grad_shards])
         sq = norms.square().sum()
         dist.all_reduce(sq, group=self.shards.group)
-        self.shards.keep("norm", sq)
         self._pending_norm = sq.sqrt()
         return self._pending_norm
 
@@ -351,7 +328,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             idx = torch.tensor([i for i, _ in held], device=values.device)
             values[idx] = torch.stack([v.to(values.device, torch.float64) for _, v in held])
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.shards.group)  # -inf where another rank holds it
-        self.shards.keep("scalars", values)
         return values.tolist()
 
     def _local_shard(self, b: int, key: str, dtype: torch.dtype) -> torch.Tensor:
