@@ -99,3 +99,5 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    sys.stdout.flush()
+    os._exit(0)  # not finalizing the interpreter, where gloo's threads can abort it (trainer.distributed.env.exit_code)

@@ -166,6 +166,7 @@ else:
     except TrainingError as e:
         print(f"stopped after {time.monotonic() - start:.1f} s: {e}", flush=True)
 dist_env.teardown(env)
+dist_env.exit_code(0)
 """
 
 
@@ -201,3 +202,22 @@ def test_a_failed_nccl_run_aborts_its_process_group(monkeypatch, backend, failed
     env = dist_env.DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend=backend)
     dist_env.teardown(env, failed=failed)
     assert calls == [want]
+
+
+def test_a_rank_that_lost_a_local_peer_waits_for_torchrun_to_end_it():
+    """await_launcher: under torchrun, SIGTERM ends the waiting process at once, whatever handler the run had
+    installed; outside torchrun it returns without waiting."""
+    code = ("import signal, sys\nfrom trainer.distributed.env import await_launcher\n"
+            "signal.signal(signal.SIGTERM, lambda *a: None)  # the run's stop-signal handler: it would not exit\n"
+            "print('waiting', flush=True)\nawait_launcher(wait_s=60)\nprint('returned', flush=True)\n")  # fmt: skip
+    env = {k: v for k, v in _env(PYTHONPATH=str(ROOT)).items() if k != "TORCHELASTIC_RUN_ID"}
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["waiting", "returned"] and time.monotonic() - start < 30
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**env, "TORCHELASTIC_RUN_ID": "test"},
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "waiting"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert proc.stdout.read() == ""

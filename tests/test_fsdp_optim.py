@@ -150,7 +150,7 @@ def test_fsdp_compiled_optimizer_reproduces_one_process(tmp_path):
 # empty shard) and longer than a kernel block (34 x 64 = 2176 > 2048 elements), fully_shard per layer and root.
 # Each rank also trains an unsharded copy on the whole batch with the same optimizer: the reference.
 _WORKER = r"""
-import copy, json, sys
+import copy, json, os, sys
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -245,7 +245,10 @@ train(eager, eager_opt)
 train(compiled, compiled_opt)
 out["compiled"] = {"still_compiled": compiled_opt.compiled,
                    "param_err": max_diff(eager.parameters(), compiled.parameters())}
-json.dump(out, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(out, f)
+sys.stdout.flush()
+os._exit(0)  # not finalizing the interpreter, where gloo's threads can abort it (trainer.distributed.env.exit_code)
 """
 
 

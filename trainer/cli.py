@@ -167,6 +167,10 @@ def _run(args) -> int:
         summary = Trainer(cfg, resume=resume).fit()
     except TrainingError as e:
         _user_error(e, prefix="trainer")
+        if getattr(e, "peer_exited", False):  # torchrun must see the lost rank's exit before this one's
+            from trainer.distributed.env import await_launcher
+
+            await_launcher()
         return EXIT_TRAINING_FAILED
     if os.environ.get("RANK", "0") == "0":
         _print_summary(summary)

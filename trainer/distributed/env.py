@@ -59,17 +59,30 @@ _GLOO_USED = False  # a gloo process group was created in this process (see exit
 
 
 def exit_code(code: int) -> int:
-    """``code``, for ``sys.exit``; but a process that ran a gloo process group and succeeded exits here, with 0 and
+    """``code``, for ``sys.exit``; but a process that ran a gloo process group exits here, with ``code`` and
     without finalizing the interpreter. A gloo worker thread can still hold a finished collective's work then, and
     its destructor releases Python objects, for which it takes the GIL while the interpreter finalizes: the process
     aborts ("terminate called without an active exception", exit -6; about 1 in 700 two-rank CPU test runs, after
-    the run had written and said everything). https://github.com/pytorch/pytorch/pull/179291 describes it. A failed
-    rank exits as usual: torchrun names the rank that failed first, and the one that raised must stay first."""
-    if _GLOO_USED and code == 0:
+    the run had written and said everything; more often after a failure). https://github.com/pytorch/pytorch/pull/179291
+    describes it. Everything the run writes is closed by then; stdout and stderr are flushed here."""
+    if _GLOO_USED:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def await_launcher(wait_s: float = 5.0) -> None:
+    """After this rank stopped because a rank on this host exited: under torchrun, wait up to ``wait_s`` for
+    torchrun to end this process (SIGTERM, with its default action again) instead of exiting first. torchrun names
+    the first failure it observes as the run's root cause, and one poll that finds both processes gone names the
+    lower rank: the rank that was lost must be seen first."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(wait_s)
 
 
 def setup(device: str = "auto", backend: str = "auto", timeout_s: float | None = None) -> DistEnv:
@@ -206,10 +219,10 @@ def pid_alive(pid: int) -> bool:
         return True  # no /proc (macOS): os.kill's answer stands
 
 
-def lost_peer_message(e: BaseException, env: DistEnv, timeout_s: float | None, wait_s: float = 5.0) -> str | None:
-    """The error to stop with when a collective failed because another rank is gone or hung; None when ``e`` is
-    not such a failure. Names the lost rank where this host can tell: a rank on this host whose process exited
-    (polled for up to ``wait_s``: a rank that raised is still exiting)."""
+def lost_peer(e: BaseException, env: DistEnv, timeout_s: float | None, wait_s: float = 5.0) -> tuple[str, bool] | None:
+    """The error to stop with when a collective failed because another rank is gone or hung, and whether a rank on
+    this host was seen to exit; None when ``e`` is not such a failure. Names the lost rank where this host can tell:
+    a rank on this host whose process exited (polled for up to ``wait_s``: a rank that raised is still exiting)."""
     text = str(e)
     # NCCL's failures are DistBackendErrors; gloo's are RuntimeErrors naming its source ("Connection closed by peer",
     # "Timed out waiting 5000ms for recv").
@@ -230,17 +243,20 @@ def lost_peer_message(e: BaseException, env: DistEnv, timeout_s: float | None, w
         lost = f"a collective waited longer than {limit}: another rank stopped answering (hung, or its host failed)"
     else:
         lost = "another rank is gone (none on this host exited: it ran on another host; its log names it)"
-    return f"rank {env.rank}: {lost}; stopping. The collective failed with: {reason}"
+    return f"rank {env.rank}: {lost}; stopping. The collective failed with: {reason}", bool(gone)
 
 
 @contextlib.contextmanager
 def lost_rank_stops(env: DistEnv, timeout_s: float | None, error: type[Exception]):
     """A context in which a collective that fails because another rank is gone or hung raises ``error`` with a
-    message naming the lost rank (:func:`lost_peer_message`) instead of the backend's traceback."""
+    message naming the lost rank (:func:`lost_peer`) instead of the backend's traceback; its ``peer_exited`` says
+    whether a rank on this host exited (see :func:`await_launcher`)."""
     try:
         yield
     except RuntimeError as e:
-        lost = not isinstance(e, error) and lost_peer_message(e, env, timeout_s)
-        if not lost:
+        lost = None if isinstance(e, error) else lost_peer(e, env, timeout_s)
+        if lost is None:
             raise
-        raise error(lost) from None
+        stop = error(lost[0])
+        stop.peer_exited = lost[1]
+        raise stop from None
