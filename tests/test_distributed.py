@@ -155,6 +155,93 @@ def test_save_on_two_ranks_resume_on_one(one_process, tmp_path):
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
 
 
+RANK0_BUILDS = r"""
+import json, os, sys
+import torch
+from trainer import build
+from trainer.config import load_config
+from trainer.distributed import env as dist_env
+
+cfg = load_config("configs/tiny.yaml", ["distributed.strategy=fsdp", "distributed.fsdp_unit_mb=0",
+                                         "model.dropout=0.0", *json.loads(sys.argv[2])])
+env = dist_env.setup("cpu", "gloo")
+build.seed_everything(cfg.seed)
+model = build.make_model(cfg, 256, env.device, env)
+on_meta = sorted({p.device.type for p in model.parameters()})
+build.shard(model, cfg, None, env, say=None)
+full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+build.seed_everything(cfg.seed)  # the same model built whole in this process, as one process would
+whole = build.make_model(cfg, 256, env.device)
+diff = max((full[k] - v).abs().max().item() for k, v in whole.state_dict().items())
+out = {"devices": on_meta, "keys": sorted(full) == sorted(whole.state_dict()), "diff": diff,
+       "buffers": max([(a - b).abs().max().item() for a, b in zip(model.buffers(), whole.buffers())] or [0.0])}
+with open(os.path.join(sys.argv[1], f"rank{env.rank}.json"), "w") as f:
+    json.dump(out, f)
+dist_env.teardown(env)
+dist_env.exit_code(0)
+"""
+
+
+def _rank0_builds(tmp_path, *overrides) -> list[dict]:
+    script = tmp_path / "rank0_builds.py"
+    script.write_text(RANK0_BUILDS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(tmp_path), json.dumps(overrides)]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+
+
+def test_fsdp_rank0_builds_the_model_the_others_get_their_shards(tmp_path):
+    """Under fsdp rank 0 builds the model on the host and rank 1 with its parameters on the meta device (no
+    memory); after sharding, every rank's shards put together equal the model one process builds with the seed."""
+    ranks = _rank0_builds(tmp_path)
+    assert [x["devices"] for x in ranks] == [["cpu"], ["meta"]]
+    for x in ranks:
+        assert x["keys"] and x["diff"] == 0.0 and x["buffers"] == 0.0, x
+
+
+def test_fsdp_pretrained_weights_are_read_by_rank0_and_reach_every_rank(tmp_path):
+    """model.pretrained under fsdp: rank 0 reads the weights, rank 1 builds the structure on meta (it reads no
+    weights) and gets its shards from rank 0; the rotary table (a non-persistent buffer) is the same on both."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(123)  # weights no seed of the run would draw
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    ranks = _rank0_builds(tmp_path, f"model.hf={tmp_path / 'llama'}", "model.pretrained=true", "data.seq_len=32")
+    assert [x["devices"] for x in ranks] == [["cpu"], ["meta"]]
+    for x in ranks:
+        assert x["keys"] and x["diff"] == 0.0 and x["buffers"] == 0.0, x
+
+
+class _ReadsItsWeights(torch.nn.Module):
+    """A user's model whose __init__ computes with a parameter's value (impossible on the meta device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = float(self.lin.weight.detach().abs().max())
+
+
+def test_fsdp_a_model_that_cannot_be_built_on_meta_is_built_whole_with_a_warning():
+    from types import SimpleNamespace
+
+    from trainer import build
+    from trainer.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", ["distributed.strategy=fsdp", "model.preset=null",
+                                            f"model.target={__name__}:_ReadsItsWeights"])  # fmt: skip
+    rank1 = SimpleNamespace(distributed=True, rank=1)
+    with pytest.warns(UserWarning, match="rank 1 could not build the model with its parameters on the meta device"):
+        model = build.make_model(cfg, 256, torch.device("cpu"), rank1)
+    assert model.lin.weight.device.type == "cpu"
+    assert build.make_model(cfg, 256, torch.device("cpu"), SimpleNamespace(distributed=False, rank=0)) is not None
+
+
 def test_strategy_none_under_torchrun_is_refused(tmp_path):
     r = _torchrun(2, *SHAPE, "train.steps=2", f"run.dir={tmp_path}")
     assert r.returncode != 0

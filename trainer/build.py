@@ -76,18 +76,39 @@ def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str
     return f"path: {path}; {', '.join(kernels)}{reasons}"
 
 
-def make_model(cfg: Config, vocab_size: int, device: torch.device) -> nn.Module:
+def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None) -> nn.Module:
     """The model the config describes (the built-in GPT, ``model.target``'s, or the
-    Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's)."""
+    Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's), on ``device``.
+
+    Under fsdp on several ranks (``env``) rank 0 builds it on the host and every other rank with its parameters on
+    the meta device; :func:`shard` moves the shards to the device and fills them from rank 0's values."""
+    from trainer.distributed.fsdp import parameters_on_meta
     from trainer.models import build_model
 
     m = cfg.model
     check_attention(cfg, device, amp_dtype(cfg.train.precision, device))
-    return build_model(
-        preset=m.preset, vocab_size=vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-        n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=m.attention, target=m.target,
-        kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=m.pretrained,
-    ).to(device)  # fmt: skip
+    fsdp = env is not None and env.distributed and cfg.distributed.strategy == "fsdp"
+
+    def build(pretrained: bool) -> nn.Module:
+        return build_model(
+            preset=m.preset, vocab_size=vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+            n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=m.attention, target=m.target,
+            kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=pretrained,
+        )  # fmt: skip
+
+    if not fsdp:
+        return build(m.pretrained).to(device)
+    if env.rank == 0:
+        return build(m.pretrained)
+    try:
+        with parameters_on_meta():
+            return build(False)  # the weights are rank 0's to read
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as e:  # a model whose __init__ computes with its parameters' values
+        warnings.warn(f"fsdp: rank {env.rank} could not build the model with its parameters on the meta device "
+                      f"({type(e).__name__}: {e}); building it whole", stacklevel=1)  # fmt: skip
+        return build(False)
 
 
 def batches(cfg: Config, corpus, env):
@@ -360,13 +381,15 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True,  # noqa:
     return model, splitter
 
 
-def shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
-    """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard."""
+def shard(model: nn.Module, cfg: Config, amp_dtype, env, say) -> None:
+    """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard; every rank's
+    shards are then rank 0's values (``model`` as :func:`make_model` built it under fsdp)."""
     import dataclasses
 
-    from trainer.distributed.fsdp import DTYPES, apply_fsdp, describe_units
+    from trainer.distributed.fsdp import DTYPES, apply_fsdp, describe_units, full_state, materialize_from_rank0
 
     c, d = cfg.compile, cfg.distributed
+    full = full_state(model) if env.rank == 0 else None  # rank 0 built it whole (make_model), the others on meta
     checkpoint_activations(model, cfg)  # inside the compiled forward and FSDP's hooks; wrap() says so
     if c.enabled:
         from trainer.compile.capture import apply_compile
@@ -386,6 +409,7 @@ def shard(model: nn.Module, cfg: Config, amp_dtype, say) -> None:
         reduce_dtype=DTYPES[d.reduce_dtype],
         reshard_after_forward=d.reshard_after_forward,
     )
+    materialize_from_rank0(model, full, env.device)
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

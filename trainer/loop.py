@@ -71,10 +71,10 @@ class Trainer:
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip
         batches = build.batches(cfg, corpus, env)
-        self.raw_model = raw_model = build.make_model(cfg, corpus.vocab_size, device)
+        self.raw_model = raw_model = build.make_model(cfg, corpus.vocab_size, device, env)
         amp_dtype = build.amp_dtype(cfg.train.precision, device)
         if env.distributed and cfg.distributed.strategy == "fsdp":
-            build.shard(raw_model, cfg, amp_dtype, say=say)
+            build.shard(raw_model, cfg, amp_dtype, env, say=say)
         opt = build.build_optimizer(raw_model, cfg, device, env)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
         scaler = build.grad_scaler(amp_dtype, device)

@@ -12,12 +12,20 @@ collective, and a small model's step is host-bound (2 H200s, GPT-2 124M: the GPU
 with a unit per block; docs/performance.md). What is not in a block (embeddings,
 final norm, head) stays with the root.
 
+The model is built whole by rank 0 alone, on the host; the other ranks build it with its parameters on the meta
+device (no memory), shard it as rank 0 does, and receive their shards from rank 0's parameters
+(:func:`parameters_on_meta`, :func:`materialize_from_rank0`). Host memory at start is one model's, not one per rank
+(an 8B model is 32 GB in fp32), every rank starts from the same values as a single process with the same seed, and
+the step after sharding is the one it would have been.
+
 Checkpoints go through ``torch.distributed.checkpoint`` (DCP): each rank writes its shards, and a
 load reshards to whatever the current world size is (or to whole tensors in one process).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -50,6 +58,54 @@ def apply_fsdp(
         fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """A context in which every parameter a module registers moves to the meta device: a model built inside has
+    its structure and no parameter memory. Its buffers, and tensors kept as plain attributes, are built as usual
+    (a rotary table computed from the config, say), so they need no copy from another rank."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kwargs = dict(param.__dict__, requires_grad=param.requires_grad)
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def full_state(model: nn.Module) -> dict:
+    """The unsharded model's state dict under the names sharding keeps (what :func:`materialize_from_rank0`
+    sends): rank 0's, taken before ``fully_shard`` replaces its parameters by shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def materialize_from_rank0(model: nn.Module, full: dict | None, device: torch.device) -> None:
+    """After ``fully_shard``: every rank's shards and buffers become rank 0's values. ``full``: rank 0's
+    :func:`full_state` (None on the other ranks, whose parameters are on the meta device and are allocated here).
+    One tensor at a time goes from rank 0 to every rank, which keeps its shard of it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank()
+    if rank != 0:
+        model.to_empty(device=device)  # the shards allocated (and the buffers, refilled below)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    set_model_state_dict(model, full if rank == 0 else {}, options=options)
+    with torch.no_grad():  # every buffer, those outside the state dict (non-persistent) too
+        for b in model.buffers():
+            dist.broadcast(b, src=0)
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise RuntimeError(f"fsdp: parameters left on the meta device after sharding: {', '.join(meta[:3])}")
 
 
 def block_units(model: nn.Module, blocks: str | None, unit_mb: float | None) -> list[list[nn.Module]]:
