@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.conftest import FAST, ROOT, rank_process
 
@@ -221,3 +222,27 @@ def test_a_rank_that_lost_a_local_peer_waits_for_torchrun_to_end_it():
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == -signal.SIGTERM
     assert proc.stdout.read() == ""
+
+
+def test_a_lost_rank_is_said_when_found_not_on_the_way_out(capsys, monkeypatch):
+    """The message naming the lost rank is printed inside lost_rank_stops, before the run's teardown: torchrun, which
+    saw that rank exit, may end this one at any moment after. The CLI then does not print it twice."""
+    import socket
+
+    from trainer import cli
+    from trainer.distributed import env as dist_env
+    from trainer.step import TrainingError
+
+    monkeypatch.setenv("RANK", "0")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    env = dist_env.DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend="gloo",
+                           peers=[(socket.gethostname(), os.getpid()), (socket.gethostname(), dead.pid)])  # fmt: skip
+    with pytest.raises(TrainingError) as info:
+        with dist_env.lost_rank_stops(env, 5.0, TrainingError):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+    said = capsys.readouterr().err
+    assert f"trainer: rank 0: lost rank 1 (pid {dead.pid} on {socket.gethostname()}): its process exited" in said
+    assert info.value.reported and info.value.peer_exited
+    cli._user_error(info.value, prefix="trainer")
+    assert capsys.readouterr().err == ""

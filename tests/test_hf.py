@@ -301,6 +301,37 @@ def test_without_transformers_or_network_the_message_says_what_to_do(dirs, monke
         build_hf_model("someorg/no-such-model")
 
 
+def test_an_architecture_without_sdpa_runs_eager_attention_and_says_so(dirs, monkeypatch):
+    """transformers refuses sdpa for some architectures (Gemma-2 in 5.24): the model is built with its eager
+    attention instead, and the startup line says so; a config that cannot build is a user error."""
+    from trainer import build
+    from trainer.models.hf import attention_of, build_hf_model
+
+    auto = transformers.AutoModelForCausalLM
+    real = auto.from_config.__func__
+
+    def refuses_sdpa(cls, config, **kwargs):  # what transformers raises for such an architecture
+        if kwargs.get("attn_implementation") == "sdpa":
+            raise ValueError("LlamaForCausalLM does not support an attention implementation through "
+                             "torch.nn.functional.scaled_dot_product_attention yet.")  # fmt: skip
+        return real(cls, config, **kwargs)
+
+    monkeypatch.setattr(auto, "from_config", classmethod(refuses_sdpa))
+    model = build_hf_model(str(dirs.llama))
+    assert attention_of(model) == "eager" and model.hf.config._attn_implementation == "eager"
+    cfg = load_config(None, [f"model.hf={dirs.llama}", f"data.path={dirs.text}"])
+    env = SimpleNamespace(world_size=1, distributed=False, device=torch.device("cpu"))
+    corpus = SimpleNamespace(description="text", train=[0] * 10)
+    line = build.describe_run(cfg, env, model, corpus, None, 1024)
+    assert "attention: transformers' eager implementation (LlamaForCausalLM has no sdpa" in line, line
+    monkeypatch.undo()
+    assert attention_of(build_hf_model(str(dirs.llama))) == "sdpa"
+    assert "attention:" not in build.describe_run(cfg, env, build_hf_model(str(dirs.llama)), corpus, None, 1024)
+    # A token id past the vocabulary: the embedding's padding_idx assertion, as a user error naming the config.
+    with pytest.raises(ValueError, match=r"LlamaConfig cannot be built from this config \(AssertionError: Padding"):
+        build_hf_model(str(dirs.llama), overrides={"pad_token_id": 999})
+
+
 @pytest.mark.parametrize(
     "strategy",
     [

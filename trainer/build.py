@@ -156,11 +156,16 @@ def seed_everything(seed: int) -> None:
 
 def describe_run(cfg: Config, env, model: nn.Module, corpus, amp_dtype, tokens_per_step: int) -> str:
     """The startup line that says what trains on what: parameters, data, device, precision, steps, run dir."""
+    from trainer.models.hf import attention_of
+
     n_params = sum(p.numel() for p in model.parameters())
     ranks = f" x{env.world_size}" if env.distributed else ""
+    attention = attention_of(model)
+    eager = (f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
+             "transformers: slower, and it keeps the attention matrix)") if attention == "eager" else ""  # fmt: skip
     return (f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
             f"{len(corpus.train) / 1e6:.1f}M train tokens; device {env.device}{ranks}, {precision_name(amp_dtype)}; "
-            f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}")  # fmt: skip
+            f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}")  # fmt: skip
 
 
 def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, cfg: Config, env, say):

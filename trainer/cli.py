@@ -122,12 +122,11 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _user_error(e: Exception, prefix: str = "trainer: error") -> None:
-    """Print ``e`` on stderr, naming the rank under torchrun (but rank 0); one that every rank raised together
-    (``e.all_ranks``) is printed by rank 0 alone."""
-    rank = os.environ.get("RANK", "0")
-    if getattr(e, "all_ranks", False) and rank != "0":
-        return
-    print(f"{prefix}: {e}" if rank == "0" else f"{prefix} (rank {rank}): {e}", file=sys.stderr)
+    """Print ``e`` on stderr (``trainer.distributed.env.print_error``), unless it was already (``e.reported``)."""
+    from trainer.distributed.env import print_error
+
+    if not getattr(e, "reported", False):
+        print_error(e, prefix)
 
 
 def _run(args) -> int:

@@ -72,6 +72,15 @@ def exit_code(code: int) -> int:
     return code
 
 
+def print_error(e: BaseException, prefix: str = "trainer: error") -> None:
+    """Print ``e`` on stderr, naming the rank under torchrun (but rank 0); one that every rank raised together
+    (``e.all_ranks``) is printed by rank 0 alone."""
+    rank = os.environ.get("RANK", "0")
+    if getattr(e, "all_ranks", False) and rank != "0":
+        return
+    print(f"{prefix}: {e}" if rank == "0" else f"{prefix} (rank {rank}): {e}", file=sys.stderr, flush=True)
+
+
 def await_launcher(wait_s: float = 5.0) -> None:
     """After this rank stopped because a rank on this host exited: under torchrun, wait up to ``wait_s`` for
     torchrun to end this process (SIGTERM, with its default action again) instead of exiting first. torchrun names
@@ -249,8 +258,8 @@ def lost_peer(e: BaseException, env: DistEnv, timeout_s: float | None, wait_s: f
 @contextlib.contextmanager
 def lost_rank_stops(env: DistEnv, timeout_s: float | None, error: type[Exception]):
     """A context in which a collective that fails because another rank is gone or hung raises ``error`` with a
-    message naming the lost rank (:func:`lost_peer`) instead of the backend's traceback; its ``peer_exited`` says
-    whether a rank on this host exited (see :func:`await_launcher`)."""
+    message naming the lost rank (:func:`lost_peer`) instead of the backend's traceback, and prints it at once
+    (``reported``); its ``peer_exited`` says whether a rank on this host exited (see :func:`await_launcher`)."""
     try:
         yield
     except RuntimeError as e:
@@ -259,4 +268,7 @@ def lost_rank_stops(env: DistEnv, timeout_s: float | None, error: type[Exception
             raise
         stop = error(lost[0])
         stop.peer_exited = lost[1]
+        # Said now, not on the way out: torchrun, which saw the lost rank exit, may end this process any moment.
+        print_error(stop, prefix="trainer")
+        stop.reported = True
         raise stop from None

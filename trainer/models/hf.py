@@ -175,7 +175,8 @@ def build_hf_model(
     """The :class:`HFCausalLM` of ``model.hf``: its weights (``pretrained``) or a random init from its config.
 
     The parameters are fp32 whatever the checkpoint's dtype (the trainer's precision is autocast's), attention is
-    torch's scaled-dot-product attention (``sdpa``).
+    torch's scaled-dot-product attention (``sdpa``), or transformers' eager attention for an architecture that
+    has no sdpa in the installed transformers (:func:`attention_of` tells).
 
     Args:
         name: a local directory holding config.json (and the weights for ``pretrained``), or a hub name.
@@ -202,23 +203,48 @@ def build_hf_model(
             "max_position_embeddings or n_positions in its config); lower data.seq_len"
         )
     kwargs = dict(attn_implementation="sdpa", **_dtype_kwarg(transformers, torch.float32))
+    try:
+        model = _instantiate(transformers, name, config, pretrained, kwargs)
+    except _NoSDPA:  # the startup line says so (trainer.build.describe_run)
+        model = _instantiate(transformers, name, config, pretrained, dict(kwargs, attn_implementation="eager"))
+    return HFCausalLM(model)
+
+
+class _NoSDPA(Exception):
+    """transformers has no sdpa attention for this architecture."""
+
+
+def _instantiate(transformers, name: str, config, pretrained: bool, kwargs: dict) -> nn.Module:
+    """``from_pretrained`` or ``from_config``, its failures as user errors naming the key to change."""
     auto = transformers.AutoModelForCausalLM
     try:
         if pretrained:
-            model = auto.from_pretrained(_source(name)[0], config=config, **kwargs)
-        else:
-            model = auto.from_config(config, **kwargs)
+            return auto.from_pretrained(_source(name)[0], config=config, **kwargs)
+        return auto.from_config(config, **kwargs)
     except OSError as e:  # no weights in the directory, or none to download
         raise ValueError(
             f"model.pretrained: cannot load the weights of '{name}': {_first_line(e)}; set model.pretrained=false "
             "to initialise the model at random from its config"
         ) from None
     except ValueError as e:  # not a causal LM, or no sdpa for this architecture
+        if kwargs.get("attn_implementation") == "sdpa" and "scaled_dot_product_attention" in str(e):
+            raise _NoSDPA from None
         raise ValueError(f"model.hf: {name}: {_first_line(e)}") from None
     except RuntimeError as e:  # the weights' shapes do not fit a config changed by model.hf_overrides
         raise ValueError(f"model.hf_overrides: the weights of '{name}' do not fit the changed config: "
                          f"{_first_line(e)}") from None  # fmt: skip
-    return HFCausalLM(model)
+    except (AssertionError, IndexError, KeyError, TypeError) as e:  # a config whose fields disagree
+        what = f"{type(e).__name__}: {_first_line(e)}" if str(e) else type(e).__name__
+        raise ValueError(
+            f"model.hf: {name}: {type(config).__name__} cannot be built from this config ({what}); check the "
+            "fields model.hf_overrides changes (a token id past vocab_size, say)"
+        ) from None
+
+
+def attention_of(model: nn.Module) -> str | None:
+    """The attention implementation of a Hugging Face model (``sdpa`` or ``eager``); None for other models."""
+    config = getattr(getattr(model, "hf", None), "config", None)
+    return getattr(config, "_attn_implementation", None) if isinstance(model, HFCausalLM) else None
 
 
 def _dtype_kwarg(transformers, dtype: torch.dtype) -> dict:
