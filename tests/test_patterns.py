@@ -85,7 +85,7 @@ def make_nanogpt(**kwargs):
 
 
 class NearMisses(nn.Module):
-    """A LayerNorm without weight, an RMSNorm over the wrong dimension, a Gemma-style (1 + w) RMSNorm, a head
+    """A LayerNorm without weight, an RMSNorm over the wrong dimension (with a Gemma-style 1 + w weight), a head
     with a bias: each left as it is."""
 
     def __init__(self, vocab=64, width=32):
@@ -276,13 +276,17 @@ def test_hugging_face_llama_gets_the_rms_norms_and_the_loss(checkpointing):
     assert counts == {"add_rms_norm": 2 * 2 + 1, "linear_cross_entropy": 1, "causal_attention": 2}
 
 
-# Other Hugging Face families, tiny configs: what each adds to Llama's pattern. Qwen3 normalises each head's queries
-# and keys (RMSNorm over head_dim, no add); OLMo2 normalises the attention's and the MLP's outputs before the
-# residual add (post-norm) and its queries and keys over the whole width; Phi-3 fuses q/k/v and gate/up.
+# Other Hugging Face families, tiny configs: what each adds to Llama's pattern (Mistral and Qwen2 add nothing). Qwen3
+# normalises each head's queries and keys (RMSNorm over head_dim, no add); OLMo2 normalises the attention's and the
+# MLP's outputs before the residual add (post-norm) and its queries and keys over the whole width; Phi-3 fuses q/k/v
+# and gate/up.
 FAMILIES = {
+    "mistral": ({}, 2 * 2 + 1),
+    "qwen2": ({}, 2 * 2 + 1),
     "qwen3": (dict(head_dim=8), 2 * 2 + 1 + 2 * 2),
     "olmo2": ({}, 2 * 2 + 1 + 2 * 2),
     "phi3": (dict(pad_token_id=0), 2 * 2 + 1),
+    "gemma": (dict(head_dim=8), 2 * 2 + 1),  # its weight is 1 + w, computed in the graph after the residual add
 }
 
 
@@ -298,7 +302,7 @@ def test_other_hugging_face_families_get_their_norms_and_the_loss(model_type):
     log = _same_training(make, list(KERNEL_NAMES), rtol=1e-6, grad_rtol=5e-6, steps=1)
     counts = {k["name"]: k["count"] for k in log.report()}
     assert counts == {"add_rms_norm": norms, "cross_entropy": 1, "causal_attention": 2}, counts
-    assert not log.near_misses
+    assert not log.near_misses  # every norm with its residual add: Gemma's (1 + w) is computed before the add
 
 
 def test_fx_marks_erased_nodes():

@@ -274,8 +274,8 @@ def _fuse_norm(gm, norm, x_in, add: _Add | None, kernel, args, name, log, order)
     """Replace ``norm`` (whose input is ``x_in``, or ``add``'s sum) by one ``kernel(x, inc, *args) -> (s, y)``."""
     g = gm.graph
     params = [p for p in _inputs(args) if p.op != "placeholder"]
-    if add is not None and not all(_before(p, add.node, order) for p in params):
-        log.miss(name, norm, "the norm's parameters are computed after the residual add")
+    if add is not None and not _hoist(params, add.node, order):
+        log.miss(name, norm, "the norm's parameters are computed after the residual add, from what it computes")
         add = None
     anchor = add.node if add is not None else norm
     if add is not None and add.inc_bias is not None:  # the linear's bias moves into the kernel
@@ -297,6 +297,29 @@ def _fuse_norm(gm, norm, x_in, add: _Add | None, kernel, args, name, log, order)
         g.erase_node(add.node)
 
 
+def _hoist(nodes: list[fx.Node], anchor: fx.Node, order: dict) -> bool:
+    """Move the computation of ``nodes`` (a norm's weight computed in the graph: Gemma's ``1 + w``) before
+    ``anchor`` (the residual add the kernel replaces), where it reads nothing computed at or after the anchor and
+    has no side effect (no in-place op). False, and nothing moved, where it cannot."""
+    moving, todo = set(), [n for n in nodes if not _before(n, anchor, order)]
+    while todo:
+        n = todo.pop()
+        if n in moving or _before(n, anchor, order):
+            continue
+        if n is anchor or n.op not in ("call_function", "call_method") or _in_place(n):
+            return False
+        moving.add(n)
+        todo.extend(_inputs((n.args, n.kwargs)))
+    for i, n in enumerate(sorted(moving, key=order.__getitem__)):  # in graph order, so inputs stay first
+        anchor.prepend(n)
+        order[n] = order[anchor] - 1 + (i + 1) / (len(moving) + 1)
+    return True
+
+
+def _in_place(n: fx.Node) -> bool:
+    return str(getattr(n.target, "__name__", n.target)).endswith("_")
+
+
 def _erase_dead(g: fx.Graph, node: fx.Node) -> None:
     """Erase ``node`` and then whatever only it used (the rest of a replaced chain), never in-place ops."""
     todo = [node]
@@ -304,7 +327,7 @@ def _erase_dead(g: fx.Graph, node: fx.Node) -> None:
         n = todo.pop()
         if _erased(n) or n.users or n.op not in ("call_function", "call_method"):
             continue
-        if str(getattr(n.target, "__name__", n.target)).endswith("_"):
+        if _in_place(n):
             continue
         ins = _inputs((n.args, n.kwargs))
         g.erase_node(n)
