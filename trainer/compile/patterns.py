@@ -451,6 +451,28 @@ def _logits_source(n: fx.Node) -> fx.Node | None:
     return n
 
 
+_SCALES = (operator.mul, operator.truediv, torch.mul, torch.div)
+
+
+def _scaled_head(g: fx.Graph, n: fx.Node) -> fx.Node | None:
+    """Logits scaled by a constant (Granite divides them, Cohere multiplies them): ``linear(h, W) * c`` becomes
+    ``linear(h * c, W)``, a scale of the (tokens, width) input instead of the (tokens, vocabulary) logits, so the
+    loss pattern sees the linear. Returns the linear, or None where ``n`` is not such a scale."""
+    if not (_is_call(n, *_SCALES) or _is_method(n, "mul", "div")) or len(n.args) != 2 or n.kwargs:
+        return None
+    lin, c = n.args
+    if not (isinstance(c, (int, float)) and _is_call(lin, F.linear) and len(lin.users) == 1):
+        return None
+    divide = n.target in (operator.truediv, torch.div, "div")
+    with g.inserting_before(lin):
+        h = g.call_function(operator.truediv if divide else operator.mul, (lin.args[0], c))
+    h.meta.update({k: v for k, v in lin.args[0].meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+    lin.update_arg(0, h)
+    n.replace_all_uses_with(lin)
+    g.erase_node(n)
+    return lin
+
+
 def _losses(gm, kernels: set[str], log, order) -> None:
     g = gm.graph
     for n in list(g.nodes):
@@ -470,6 +492,7 @@ def _losses(gm, kernels: set[str], log, order) -> None:
             log.miss(name, n, f"logits of shape {_shape(logits)}: expected (tokens, vocabulary)")
             continue
         lin = _logits_source(logits)
+        lin = _scaled_head(g, lin) or lin
         if not _is_call(lin, F.linear):
             log.miss(name, n, "the logits do not come from a linear layer (or are also read elsewhere)")
             continue
