@@ -246,3 +246,31 @@ def test_a_lost_rank_is_said_when_found_not_on_the_way_out(capsys, monkeypatch):
     assert info.value.reported and info.value.peer_exited
     cli._user_error(info.value, prefix="trainer")
     assert capsys.readouterr().err == ""
+
+
+def test_torchruns_sigterm_while_a_rank_names_the_lost_one_is_noted_not_handled_as_a_stop(monkeypatch):
+    """torchrun ends the other ranks once it sees one exit: a SIGTERM that comes while this rank works out which
+    rank it lost is noted (the launcher need not be waited for), neither killing it before it says so nor starting
+    the run's finish-the-step-and-save; after the message SIGTERM has its default action."""
+    import signal as sig
+
+    from trainer.distributed import env as dist_env
+    from trainer.step import TrainingError
+
+    def lost_peer(e, env, timeout_s):
+        os.kill(os.getpid(), sig.SIGTERM)  # torchrun's, arriving now
+        time.sleep(0.1)
+        return "rank 0: lost rank 1 (pid 1 on h): its process exited; stopping.", True
+
+    monkeypatch.setattr(dist_env, "lost_peer", lost_peer)
+    env = dist_env.DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend="gloo")
+    stops = []
+    before = sig.signal(sig.SIGTERM, lambda *a: stops.append(1))  # the run's StopSignals
+    try:
+        with pytest.raises(TrainingError) as info:
+            with dist_env.lost_rank_stops(env, 5.0, TrainingError):
+                raise RuntimeError("gloo: Connection closed by peer")
+        assert info.value.terminated and not stops
+        assert sig.getsignal(sig.SIGTERM) is sig.SIG_DFL
+    finally:
+        sig.signal(sig.SIGTERM, before)

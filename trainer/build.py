@@ -103,9 +103,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None) -> 
     try:
         with parameters_on_meta():
             return build(False)  # the weights are rank 0's to read
-    except (ValueError, FileNotFoundError):
-        raise
-    except Exception as e:  # a model whose __init__ computes with its parameters' values
+    except Exception as e:  # a model whose __init__ computes with its parameters' values; a config error fails again
         warnings.warn(f"fsdp: rank {env.rank} could not build the model with its parameters on the meta device "
                       f"({type(e).__name__}: {e}); building it whole", stacklevel=1)  # fmt: skip
         return build(False)

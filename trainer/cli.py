@@ -169,7 +169,7 @@ def _run(args) -> int:
         if getattr(e, "peer_exited", False):  # torchrun must see the lost rank's exit before this one's
             from trainer.distributed.env import await_launcher
 
-            await_launcher()
+            await_launcher(terminated=getattr(e, "terminated", False))
         return EXIT_TRAINING_FAILED
     if os.environ.get("RANK", "0") == "0":
         _print_summary(summary)

@@ -84,12 +84,16 @@ class Trainer:
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
                           tensorboard=cfg.log.tensorboard, start_step=step)  # fmt: skip
-        model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print, opt=opt)
-        train_step = build.train_step(model, raw_model, opt, scaler, cfg, env, say=metrics.print)
+        try:
+            model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print, opt=opt)
+            train_step = build.train_step(model, raw_model, opt, scaler, cfg, env, say=metrics.print)
+            watcher = build.compile_watcher(cfg, say=metrics.print)
+        except BaseException:
+            metrics.close()
+            raise
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         metrics.print(build.describe_run(cfg, env, raw_model, corpus, amp_dtype, tokens_per_step))
         metrics.print(build.describe_path(cfg, device, opt, why))
-        watcher = build.compile_watcher(cfg, say=metrics.print)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
             """What every step's numbers must pass once read: few recompiles, a finite loss (on every rank)."""
@@ -133,7 +137,7 @@ class Trainer:
         finally:
             if watcher is not None:
                 watcher.stop(report=run_dir / "compile_report.json" if env.is_main else None)
-        metrics.close()
+            metrics.close()  # a failed run's too: a gloo rank then exits without finalizing the interpreter
         last = str(ckpts.last) if ckpts.last else None
         return log.summary(steps=step, run_dir=str(run_dir), checkpoint=last, stopped=step < cfg.train.steps)
 

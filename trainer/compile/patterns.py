@@ -274,6 +274,9 @@ def _fuse_norm(gm, norm, x_in, add: _Add | None, kernel, args, name, log, order)
     """Replace ``norm`` (whose input is ``x_in``, or ``add``'s sum) by one ``kernel(x, inc, *args) -> (s, y)``."""
     g = gm.graph
     params = [p for p in _inputs(args) if p.op != "placeholder"]
+    if add is not None and _writes_between(add.node, norm):
+        log.miss(name, norm, "a tensor is written in place between the residual add and the norm")
+        add = None
     if add is not None and not _hoist(params, add.node, order):
         log.miss(name, norm, "the norm's parameters are computed after the residual add, from what it computes")
         add = None
@@ -292,7 +295,7 @@ def _fuse_norm(gm, norm, x_in, add: _Add | None, kernel, args, name, log, order)
     log.hit(name, norm)
     norm.replace_all_uses_with(y)
     _erase_dead(g, norm)
-    if add is not None:
+    if add is not None and not _erased(add.node):  # the norm may have been its last reader
         add.node.replace_all_uses_with(s)
         g.erase_node(add.node)
 
@@ -301,12 +304,15 @@ def _hoist(nodes: list[fx.Node], anchor: fx.Node, order: dict) -> bool:
     """Move the computation of ``nodes`` (a norm's weight computed in the graph: Gemma's ``1 + w``) before
     ``anchor`` (the residual add the kernel replaces), where it reads nothing computed at or after the anchor and
     has no side effect (no in-place op). False, and nothing moved, where it cannot."""
-    moving, todo = set(), [n for n in nodes if not _before(n, anchor, order)]
+    if anchor not in order:
+        return False
+    moving, todo = set(), list(nodes)
     while todo:
         n = todo.pop()
-        if n in moving or _before(n, anchor, order):
+        if n in moving or (n in order and order[n] < order[anchor]):
             continue
-        if n is anchor or n.op not in ("call_function", "call_method") or _in_place(n):
+        pure = n.op == "get_attr" or (n.op in ("call_function", "call_method") and not _in_place(n))
+        if n is anchor or n not in order or not pure:
             return False
         moving.add(n)
         todo.extend(_inputs((n.args, n.kwargs)))
@@ -316,8 +322,32 @@ def _hoist(nodes: list[fx.Node], anchor: fx.Node, order: dict) -> bool:
     return True
 
 
+_MUTATING = (
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.ipow,
+    operator.setitem,
+)
+
+
+def _writes_between(first: fx.Node, last: fx.Node) -> bool:
+    """Whether a node after ``first`` and before ``last`` writes in place (the kernel, placed at ``first``, would
+    read its inputs before that write instead of after it)."""
+    n = first.next
+    while n is not last and n.op != "root":
+        if n.op in ("call_function", "call_method") and _in_place(n):
+            return True
+        n = n.next
+    return False
+
+
 def _in_place(n: fx.Node) -> bool:
-    return str(getattr(n.target, "__name__", n.target)).endswith("_")
+    """Whether ``n`` writes into one of its inputs: ``x.add_(..)``, ``x += ..``, ``x[i] = ..``, ``out=``."""
+    return (str(getattr(n.target, "__name__", n.target)).endswith("_") or n.target in _MUTATING
+            or "out" in n.kwargs)  # fmt: skip
 
 
 def _erase_dead(g: fx.Graph, node: fx.Node) -> None:
@@ -457,16 +487,20 @@ _SCALES = (operator.mul, operator.truediv, torch.mul, torch.div)
 def _scaled_head(g: fx.Graph, n: fx.Node) -> fx.Node | None:
     """Logits scaled by a constant (Granite divides them, Cohere multiplies them): ``linear(h, W) * c`` becomes
     ``linear(h * c, W)``, a scale of the (tokens, width) input instead of the (tokens, vocabulary) logits, so the
-    loss pattern sees the linear. Returns the linear, or None where ``n`` is not such a scale."""
+    loss pattern sees the linear. Only for a head without a bias (whose scale would not move) that nothing else
+    reads. Returns the linear, or None where ``n`` is not such a scale (and then the graph is unchanged)."""
     if not (_is_call(n, *_SCALES) or _is_method(n, "mul", "div")) or len(n.args) != 2 or n.kwargs:
         return None
-    lin, c = n.args
-    if not (isinstance(c, (int, float)) and _is_call(lin, F.linear) and len(lin.users) == 1):
-        return None
     divide = n.target in (operator.truediv, torch.div, "div")
+    lin, c = n.args if divide or isinstance(n.args[1], int | float) else n.args[::-1]  # c * logits too
+    if isinstance(c, bool) or not isinstance(c, int | float) or not _is_call(lin, F.linear) or len(lin.users) != 1:
+        return None
+    if _arg(lin, 2, "bias") is not None:
+        return None
+    x = lin.args[0]
     with g.inserting_before(lin):
-        h = g.call_function(operator.truediv if divide else operator.mul, (lin.args[0], c))
-    h.meta.update({k: v for k, v in lin.args[0].meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+        h = g.call_function(operator.truediv if divide else operator.mul, (x, c))
+    h.meta.update({k: v for k, v in x.meta.items() if k in ("example_value", "val", "tensor_meta", "stack_trace")})
     lin.update_arg(0, h)
     n.replace_all_uses_with(lin)
     g.erase_node(n)

@@ -81,12 +81,13 @@ def print_error(e: BaseException, prefix: str = "trainer: error") -> None:
     print(f"{prefix}: {e}" if rank == "0" else f"{prefix} (rank {rank}): {e}", file=sys.stderr, flush=True)
 
 
-def await_launcher(wait_s: float = 5.0) -> None:
+def await_launcher(wait_s: float = 5.0, terminated: bool = False) -> None:
     """After this rank stopped because a rank on this host exited: under torchrun, wait up to ``wait_s`` for
     torchrun to end this process (SIGTERM, with its default action again) instead of exiting first. torchrun names
     the first failure it observes as the run's root cause, and one poll that finds both processes gone names the
-    lower rank: the rank that was lost must be seen first."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    lower rank: the rank that was lost must be seen first. ``terminated``: torchrun's SIGTERM already came (it saw
+    the lost rank first); no wait."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or terminated:
         return
     sys.stdout.flush()
     sys.stderr.flush()
@@ -263,12 +264,31 @@ def lost_rank_stops(env: DistEnv, timeout_s: float | None, error: type[Exception
     try:
         yield
     except RuntimeError as e:
-        lost = None if isinstance(e, error) else lost_peer(e, env, timeout_s)
+        if isinstance(e, error) or not env.distributed:
+            raise
+        # torchrun, which saw the lost rank exit, sends SIGTERM any moment now: noted (not the run's stop-signal
+        # handler, which would finish a step and save), then its default action once the message is out.
+        terminated: list[int] = []
+        held = _set_sigterm(lambda *_: terminated.append(1))
+        lost = lost_peer(e, env, timeout_s)
         if lost is None:
+            _set_sigterm(held)
             raise
         stop = error(lost[0])
         stop.peer_exited = lost[1]
-        # Said now, not on the way out: torchrun, which saw the lost rank exit, may end this process any moment.
-        print_error(stop, prefix="trainer")
+        print_error(stop, prefix="trainer")  # said now, not on the way out
         stop.reported = True
+        _set_sigterm(signal.SIG_DFL if held is not None else None)
+        stop.terminated = bool(terminated)
         raise stop from None
+
+
+def _set_sigterm(handler):
+    """Install ``handler`` for SIGTERM (None: leave it) and return the one it replaced; None off the main thread,
+    where signals cannot be handled."""
+    if handler is None:
+        return None
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None

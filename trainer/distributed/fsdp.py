@@ -15,8 +15,7 @@ final norm, head) stays with the root.
 The model is built whole by rank 0 alone, on the host; the other ranks build it with its parameters on the meta
 device (no memory), shard it as rank 0 does, and receive their shards from rank 0's parameters
 (:func:`parameters_on_meta`, :func:`materialize_from_rank0`). Host memory at start is one model's, not one per rank
-(an 8B model is 32 GB in fp32), every rank starts from the same values as a single process with the same seed, and
-the step after sharding is the one it would have been.
+(an 8B model is 32 GB in fp32), and every rank starts from the values a single process builds with the same seed.
 
 Checkpoints go through ``torch.distributed.checkpoint`` (DCP): each rank writes its shards, and a
 load reshards to whatever the current world size is (or to whole tensors in one process).
@@ -70,8 +69,9 @@ def parameters_on_meta() -> Iterator[None]:
     def register_on_meta(module: nn.Module, name: str, param) -> None:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            kwargs = dict(param.__dict__, requires_grad=param.requires_grad)
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+            on_meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            on_meta.__dict__.update(param.__dict__)  # attributes a model set on it
+            module._parameters[name] = on_meta
 
     nn.Module.register_parameter = register_on_meta
     try:

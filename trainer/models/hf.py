@@ -233,12 +233,12 @@ def _instantiate(transformers, name: str, config, pretrained: bool, kwargs: dict
     except RuntimeError as e:  # the weights' shapes do not fit a config changed by model.hf_overrides
         raise ValueError(f"model.hf_overrides: the weights of '{name}' do not fit the changed config: "
                          f"{_first_line(e)}") from None  # fmt: skip
-    except (AssertionError, IndexError, KeyError, TypeError) as e:  # a config whose fields disagree
-        what = f"{type(e).__name__}: {_first_line(e)}" if str(e) else type(e).__name__
+    except AssertionError as e:  # a config whose fields disagree (torch's modules assert on their arguments)
+        what = f"AssertionError: {_first_line(e)}" if str(e) else "AssertionError"
         raise ValueError(
             f"model.hf: {name}: {type(config).__name__} cannot be built from this config ({what}); check the "
             "fields model.hf_overrides changes (a token id past vocab_size, say)"
-        ) from None
+        ) from e
 
 
 def attention_of(model: nn.Module) -> str | None:
