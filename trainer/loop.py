@@ -84,16 +84,12 @@ class Trainer:
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
                           tensorboard=cfg.log.tensorboard, start_step=step)  # fmt: skip
-        try:
-            model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print, opt=opt)
-            train_step = build.train_step(model, raw_model, opt, scaler, cfg, env, say=metrics.print)
-            watcher = build.compile_watcher(cfg, say=metrics.print)
-        except BaseException:
-            metrics.close()
-            raise
+        model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print, opt=opt)
+        train_step = build.train_step(model, raw_model, opt, scaler, cfg, env, say=metrics.print)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         metrics.print(build.describe_run(cfg, env, raw_model, corpus, amp_dtype, tokens_per_step))
         metrics.print(build.describe_path(cfg, device, opt, why))
+        watcher = build.compile_watcher(cfg, say=metrics.print)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
             """What every step's numbers must pass once read: few recompiles, a finite loss (on every rank)."""

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from trainer.compile.graph_edit import erase_dead, inputs
+
 _RANDOM = re.compile(r"rand|bernoulli|dropout|normal|uniform|multinomial|poisson|exponential|seed", re.I)
 _MAX_MASK_ELEMENTS = 1 << 28  # evaluated once at compile time; larger masks are left alone
 
@@ -117,11 +119,9 @@ def causal_attention(gm: fx.GraphModule, hits, bound: dict | None = None) -> Non
 
     ``bound`` maps placeholders of ``gm`` to the ``(graph, node)`` they receive (``gm`` is the body of a checkpointed
     region): a mask passed into the region is evaluated in the graph that built it."""
-    from trainer.compile.patterns import _erase_dead, _inputs
-
     for n in _sdpa_nodes(gm):
         call = _call(n)
-        read = _inputs((n.args, n.kwargs))
+        read = inputs((n.args, n.kwargs))
         changed = False
         if isinstance(call.get("attn_mask"), fx.Node) and not call.get("is_causal"):
             changed = _drop_causal_mask(gm, n, call, hits, bound or {})
@@ -133,7 +133,7 @@ def causal_attention(gm: fx.GraphModule, hits, bound: dict | None = None) -> Non
             # What only the old arguments read (the mask, the repeated heads), not the graph's dead code at large:
             # FX counts every call_method pure, so its dead-code pass would also drop `x.mul_(2)` statements.
             for old in read:
-                _erase_dead(gm.graph, old)
+                erase_dead(gm.graph, old)
 
 
 def _drop_causal_mask(gm: fx.GraphModule, n: fx.Node, call: dict, hits, bound: dict) -> bool:

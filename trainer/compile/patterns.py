@@ -43,6 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from trainer.compile.graph_edit import erase_dead as _erase_dead
+from trainer.compile.graph_edit import erased as _erased
+from trainer.compile.graph_edit import in_place as _in_place
+from trainer.compile.graph_edit import inputs as _inputs
+
 __all__ = ["KERNEL_NAMES", "KernelLog", "substitute", "substituting", "FUSED_LOSS_MIN_VOCAB"]
 
 KERNEL_NAMES = ("add_layer_norm", "add_rms_norm", "cross_entropy", "linear_cross_entropy", "causal_attention")
@@ -207,20 +212,6 @@ def _float32_cast(n) -> bool:
     return False
 
 
-def _erased(n: fx.Node) -> bool:
-    return getattr(n, "_erased", False)  # set by Graph.erase_node (torch 2.11 and 2.13)
-
-
-def _before(a: fx.Node, b: fx.Node, order: dict) -> bool:
-    return order[a] < order[b]
-
-
-def _inputs(args) -> list[fx.Node]:
-    out = []
-    fx.node.map_arg(args, out.append)
-    return out
-
-
 # ---- the residual add, shared by both norms ------------------------------------------------------
 
 
@@ -322,17 +313,6 @@ def _hoist(nodes: list[fx.Node], anchor: fx.Node, order: dict) -> bool:
     return True
 
 
-_MUTATING = (
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.ipow,
-    operator.setitem,
-)
-
-
 def _writes_between(first: fx.Node, last: fx.Node) -> bool:
     """Whether a node after ``first`` and before ``last`` writes in place (the kernel, placed at ``first``, would
     read its inputs before that write instead of after it)."""
@@ -342,26 +322,6 @@ def _writes_between(first: fx.Node, last: fx.Node) -> bool:
             return True
         n = n.next
     return False
-
-
-def _in_place(n: fx.Node) -> bool:
-    """Whether ``n`` writes into one of its inputs: ``x.add_(..)``, ``x += ..``, ``x[i] = ..``, ``out=``."""
-    return (str(getattr(n.target, "__name__", n.target)).endswith("_") or n.target in _MUTATING
-            or "out" in n.kwargs)  # fmt: skip
-
-
-def _erase_dead(g: fx.Graph, node: fx.Node) -> None:
-    """Erase ``node`` and then whatever only it used (the rest of a replaced chain), never in-place ops."""
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if _erased(n) or n.users or n.op not in ("call_function", "call_method"):
-            continue
-        if _in_place(n):
-            continue
-        ins = _inputs((n.args, n.kwargs))
-        g.erase_node(n)
-        todo.extend(ins)
 
 
 # ---- LayerNorm -----------------------------------------------------------------------------------
