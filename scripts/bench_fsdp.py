@@ -45,8 +45,9 @@ On 2 GPUs (80 GB each), the jobs that matter most first (a cut-off run keeps the
 micro-batch 8; 8B at world 2 with full checkpointing (its fp32 parameters, gradients and AdamW states sharded over
 two GPUs take 64 GB per GPU before any activation, so only checkpointed rows at small micro-batches fit); 1B at
 world 1 for the scaling; then micro-batch 4. Most of a job's time is
-the compile and, for ours, building the model: the Trainer builds it on the CPU in fp32 (Hugging Face's random
-initialisation) and moves it to the GPU whole before sharding it, where the loop builds it on the meta device:
+the compile and, for ours, building the model: rank 0 builds it on the CPU in fp32 (Hugging Face's random
+initialisation) and sends every rank its shards, where the loop builds it on the meta device and initialises the
+shards on the GPU:
 
     python scripts/bench_fsdp.py --steps 10 --warmup 2 --timeout 300 --plan \\
         hf-llama-1b:2:8:loop:none hf-llama-1b:2:8:ours:none hf-llama-8b:2:2:loop:full hf-llama-8b:2:2:ours:full \\

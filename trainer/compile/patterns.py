@@ -449,7 +449,7 @@ def _scaled_head(g: fx.Graph, n: fx.Node) -> fx.Node | None:
     ``linear(h * c, W)``, a scale of the (tokens, width) input instead of the (tokens, vocabulary) logits, so the
     loss pattern sees the linear. Only for a head without a bias (whose scale would not move) that nothing else
     reads. Returns the linear, or None where ``n`` is not such a scale (and then the graph is unchanged)."""
-    if not (_is_call(n, *_SCALES) or _is_method(n, "mul", "div")) or len(n.args) != 2 or n.kwargs:
+    if not (_is_call(n, *_SCALES) or _is_method(n, "mul", "div")) or len(n.args) != 2 or n.kwargs or len(n.users) != 1:
         return None
     divide = n.target in (operator.truediv, torch.div, "div")
     lin, c = n.args if divide or isinstance(n.args[1], int | float) else n.args[::-1]  # c * logits too
