@@ -371,3 +371,21 @@ def test_explain_under_torchrun_prints_the_plan_once(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("bucket plan: 4 buckets") == 1  # head, h.1, h.0, embeddings (2 layers)
     assert "forward graph split into 4 pieces (one per bucket)" in r.stdout
+
+
+def test_parameters_on_meta_keeps_what_a_model_set_on_a_parameter():
+    from trainer.distributed.fsdp import parameters_on_meta
+
+    class Tagged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            p = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+            p.tag = "no decay"  # an attribute, as some models set on their parameters
+            self.p = p
+            self.register_buffer("table", torch.arange(3.0))
+
+    with parameters_on_meta():
+        m = Tagged()
+    assert m.p.is_meta and m.p.tag == "no decay" and not m.p.requires_grad and isinstance(m.p, torch.nn.Parameter)
+    assert m.table.device.type == "cpu" and m.table.tolist() == [0.0, 1.0, 2.0]  # buffers are built as usual
+    assert not Tagged().p.is_meta  # outside the context, as before

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -269,26 +270,20 @@ def lost_rank_stops(env: DistEnv, timeout_s: float | None, error: type[Exception
         # torchrun, which saw the lost rank exit, sends SIGTERM any moment now: noted (not the run's stop-signal
         # handler, which would finish a step and save), then its default action once the message is out.
         terminated: list[int] = []
-        held = _set_sigterm(lambda *_: terminated.append(1))
+        main = threading.current_thread() is threading.main_thread()  # only it can handle signals
+        held = signal.getsignal(signal.SIGTERM) if main else None
+        if main:
+            signal.signal(signal.SIGTERM, lambda *_: terminated.append(1))
         lost = lost_peer(e, env, timeout_s)
         if lost is None:
-            _set_sigterm(held)
+            if main:
+                signal.signal(signal.SIGTERM, held if held is not None else signal.SIG_DFL)
             raise
         stop = error(lost[0])
         stop.peer_exited = lost[1]
         print_error(stop, prefix="trainer")  # said now, not on the way out
         stop.reported = True
-        _set_sigterm(signal.SIG_DFL if held is not None else None)
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         stop.terminated = bool(terminated)
         raise stop from None
-
-
-def _set_sigterm(handler):
-    """Install ``handler`` for SIGTERM (None: leave it) and return the one it replaced; None off the main thread,
-    where signals cannot be handled."""
-    if handler is None:
-        return None
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        return None
