@@ -63,7 +63,8 @@ def apply_fsdp(
 def parameters_on_meta() -> Iterator[None]:
     """A context in which every parameter a module registers moves to the meta device: a model built inside has
     its structure and no parameter memory. Its buffers, and tensors kept as plain attributes, are built as usual
-    (a rotary table computed from the config, say), so they need no copy from another rank."""
+    (a rotary table computed from the config, say): code that reads them while building still works, and a plain
+    attribute keeps its value (the buffers are overwritten by rank 0's in :func:`materialize_from_rank0`)."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param) -> None:
