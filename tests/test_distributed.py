@@ -187,9 +187,7 @@ def _rank0_builds(tmp_path, *overrides) -> list[dict]:
     script.write_text(RANK0_BUILDS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
            str(tmp_path), json.dumps(overrides)]  # fmt: skip
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_worker_env())
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
 
