@@ -76,12 +76,19 @@ def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str
     return f"path: {path}; {', '.join(kernels)}{reasons}"
 
 
-def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None) -> nn.Module:
+def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say=None) -> nn.Module:
     """The model the config describes (the built-in GPT, ``model.target``'s, or the
     Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's), on ``device``.
 
     Under fsdp on several ranks (``env``) rank 0 builds it on the host and every other rank with its parameters on
-    the meta device; :func:`shard` moves the shards to the device and fills them from rank 0's values."""
+    the meta device; :func:`shard` moves the shards to the device and fills them from rank 0's values.
+
+    Before it reaches the device, the model is checked against the data (:func:`check_fits_data`); ``say`` gets
+    the warning for a vocabulary far larger than the data's.
+
+    Raises:
+        ValueError: the model cannot be built, or cannot take the data's sequences or token ids.
+    """
     from trainer.distributed.fsdp import parameters_on_meta
     from trainer.models import build_model
 
@@ -97,16 +104,47 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None) -> 
         )  # fmt: skip
 
     if not fsdp:
-        return build(m.pretrained).to(device)
+        return check_fits_data(build(m.pretrained), cfg, vocab_size, say).to(device)
     if env.rank == 0:
-        return build(m.pretrained)
+        return check_fits_data(build(m.pretrained), cfg, vocab_size, say)
     try:
         with parameters_on_meta():
-            return build(False)  # the weights are rank 0's to read
+            model = build(False)  # the weights are rank 0's to read
     except Exception as e:  # a model whose __init__ computes with its parameters' values; a config error fails again
         warnings.warn(f"fsdp: rank {env.rank} could not build the model with its parameters on the meta device "
                       f"({type(e).__name__}: {e}); building it whole", stacklevel=1)  # fmt: skip
-        return build(False)
+        model = build(False)
+    return check_fits_data(model, cfg, vocab_size, None)  # every rank refuses alike; rank 0 warns
+
+
+def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int, say=None) -> nn.Module:
+    """``model``, once one meta-device forward (:func:`trainer.models.fit_check.check_model_fits`) shows it takes
+    sequences of ``data.seq_len`` tokens with ids below ``vocab_size``. A model trained from scratch whose token
+    table is more than 4x the data's vocabulary gets one warning through ``say``: its embedding and head are that
+    much larger (and slower) than the data can use.
+
+    Raises:
+        ValueError: a table shorter than the data needs, or the model's own refusal of the length (exit 2).
+    """
+    from trainer.models.fit_check import check_model_fits
+
+    m = cfg.model
+    fit = check_model_fits(model, cfg.data.seq_len, vocab_size)
+    source = f"model.hf {m.hf}" if m.hf else f"model.target {m.target}" if m.target else "the built-in GPT"
+    resize = "model.hf_overrides" if m.hf else "model.kwargs" if m.target else "model"
+    if fit.problems:
+        kinds = {kind for kind, _ in fit.problems}
+        ways = ["lower data.seq_len, or give the model more positions (" + resize + ")"] if kinds - {"tokens"} else []
+        ways += [f"use data tokenized for this model, or give it a vocabulary of at least {vocab_size} tokens "
+                 f"({resize}.vocab_size)"] if "tokens" in kinds else []  # fmt: skip
+        lines = "; ".join(line for _, line in fit.problems)
+        raise ValueError(f"{source} does not fit the data: {lines}. To fix: {'; '.join(ways)}")
+    rows = fit.token_table
+    if say is not None and rows is not None and rows > 4 * vocab_size and not (m.hf and m.pretrained):
+        say(f"warning: {source} has a {rows:,}-token vocabulary for data of {vocab_size:,} tokens: its "
+            f"embedding and head are {rows / vocab_size:.0f}x larger than the data can use, and as much slower. "
+            f"Set {resize}.vocab_size={vocab_size} (or a multiple of 64 above it)")  # fmt: skip
+    return model
 
 
 def batches(cfg: Config, corpus, env):
@@ -161,9 +199,44 @@ def describe_run(cfg: Config, env, model: nn.Module, corpus, amp_dtype, tokens_p
     attention = attention_of(model)
     eager = (f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
              "transformers: slower, and it keeps the attention matrix)") if attention == "eager" else ""  # fmt: skip
+    cost = cpu_cost(cfg, model, amp_dtype) if env.device.type == "cpu" else None
     return (f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
             f"{len(corpus.train) / 1e6:.1f}M train tokens; device {env.device}{ranks}, {precision_name(amp_dtype)}; "
-            f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}")  # fmt: skip
+            f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}"
+            + (f"\n[yellow]{cost}[/yellow]" if cost else ""))  # fmt: skip
+
+
+def cpu_cost(cfg: Config, model: nn.Module, amp_dtype, quiet_below_s: float = 600) -> str | None:
+    """What a run on the CPU will cost, when that is more than ``quiet_below_s`` seconds: the FLOPs of one step and
+    of one evaluation on this process (the model's ``flops_per_token``, 6 x parameters otherwise; an evaluation is
+    forward only, a third) over the rate a 1024 x 1024 matmul of the run's precision reaches on this CPU, measured
+    here in a tenth of a second. An estimate: larger matmuls run faster than that, the rest of a step slower."""
+    import time
+
+    from trainer.models import flops_per_token
+
+    t, seq = cfg.train, cfg.data.seq_len
+    per_token = flops_per_token(model, seq)
+    step_flops = per_token * t.micro_batch_size * t.grad_accum * seq
+    eval_flops = per_token / 3 * t.micro_batch_size * t.eval_batches * seq
+    evals = (t.steps // t.eval_every if t.eval_every else 0) + 1  # and one at the end
+    n, dtype = 1024, amp_dtype or torch.float32
+    a = torch.full((n, n), 0.5, dtype=dtype)  # not random: the run's random stream is not to be touched
+    best = float("inf")
+    for _ in range(5):  # the first wakes the thread pool
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    rate = 2 * n**3 / best
+    step_s, eval_s = step_flops / rate, eval_flops / rate
+    total = step_s * t.steps + eval_s * evals
+    if total < quiet_below_s:
+        return None
+    took = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
+    return (f"on the CPU one step is {step_flops / 1e12:.2f} TFLOP: about {step_s:.0f} s at the {rate / 1e9:.0f} "
+            f"GFLOP/s a matmul reaches here, and one evaluation ({t.eval_batches} batches) about {eval_s:.0f} s; "
+            f"{t.steps} steps and {evals} evaluations take about {took}. This config is sized for a GPU; "
+            "configs/tiny.yaml trains on a CPU in about a minute")  # fmt: skip
 
 
 def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, cfg: Config, env, say):

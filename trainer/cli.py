@@ -29,6 +29,9 @@ USAGE_EXAMPLES = """examples:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own errors: exit 2, with the usage line
+        # argparse names a trailing nargs="*" positional among the missing ones when an earlier one is missing
+        # (`trainer fit` alone: "required: config, overrides"); the overrides are optional.
+        message = message.replace("config, overrides", "config")
         self.print_usage(sys.stderr)
         sys.stderr.write(f"trainer: error: {message}\n")
         sys.exit(EXIT_USER_ERROR)
@@ -203,14 +206,20 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
         return 0
     report = json.loads((Path(scratch) / "compile_report.json").read_text())
     print(format_text(report, verbose))
-    if cfg.distributed.strategy == "ddp":
+    strategy = cfg.distributed.strategy
+    if strategy in ("ddp", "fsdp") and "WORLD_SIZE" not in os.environ:
+        print(f"distributed.strategy={strategy}: the plan each rank would follow under torchrun (this single process "
+              "communicated nothing)")  # fmt: skip
+    if strategy == "ddp":
         from trainer.build import ddp_plan_report
 
         print(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
-    elif cfg.distributed.strategy == "fsdp":
+    elif strategy == "fsdp":
         from trainer.build import fsdp_units_report
 
         print(fsdp_units_report(trainer.raw_model, cfg))
+    else:
+        print("No bucket plan: distributed.strategy=none (add distributed.strategy=ddp or fsdp to see its plan)")
     if dump_dir:
         print(f"generated code: {len(files)} file(s) in {dump_dir}")
         for f in files:

@@ -57,21 +57,21 @@ class Trainer:
         device, say = env.device, (lambda m: print(m, flush=True)) if env.is_main else None
         cfg, why = build.resolve_auto(self.cfg, device)  # compile.enabled/cudagraphs=auto: the fastest path here
         run_dir = Path(cfg.run.dir)
+        build.seed_everything(cfg.seed)
+        # The data, the model (checked against the data, sharded before the optimizer exists), the optimizer and its
+        # schedule; a resume's state. The run directory is written once the data and the model are known to fit.
+        corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
+                             dtype=cfg.data.dtype)  # fmt: skip
+        batches = build.batches(cfg, corpus, env)
+        self.raw_model = raw_model = build.make_model(cfg, corpus.vocab_size, device, env, say)
         if env.is_main:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        build.seed_everything(cfg.seed)
         compiling = cfg.compile.enabled or cfg.compile.autograd
         if compiling:
             from trainer.compile import cache
 
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
-
-        # The data, the model (sharded before the optimizer exists), the optimizer and its schedule; a resume's state.
-        corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
-                             dtype=cfg.data.dtype)  # fmt: skip
-        batches = build.batches(cfg, corpus, env)
-        self.raw_model = raw_model = build.make_model(cfg, corpus.vocab_size, device, env)
         amp_dtype = build.amp_dtype(cfg.train.precision, device)
         if env.distributed and cfg.distributed.strategy == "fsdp":
             build.shard(raw_model, cfg, amp_dtype, env, say=say)

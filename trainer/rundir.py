@@ -5,7 +5,8 @@
 - A directory that holds a run (rows in ``metrics.jsonl``, or checkpoints) refuses a fresh run with a
   :class:`RunDirError` (exit 2) naming the old run and the ways on: ``resume=last`` continues it, another
   ``run.dir`` starts elsewhere, ``run.overwrite=true`` moves it aside to ``<run.dir>.old-N`` (nothing is deleted).
-  A directory whose earlier run stopped before its first logged step (a config error) holds no run.
+  A directory whose earlier run stopped before its first logged step (a config error) holds no run. A run refused
+  before it wrote anything (the data or the model did not fit) leaves no directory behind.
 - ``<run.dir>/.lock`` names the live run (pid, host, start time). A second run exits 2 naming them. A lock whose
   process is gone (same host: the pid has exited, was reused, or the host rebooted) is taken over with a note; a
   lock from another host cannot be checked from here and is respected (the message says how to remove it).
@@ -86,6 +87,7 @@ def _claim(run_dir: Path, resume: str | None, overwrite: bool, say: Callable[[st
             f"resume=last, start elsewhere with run.dir=<another directory>, or set run.overwrite=true to move it "
             f"aside to {_aside(run_dir)} and start afresh here."
         )
+    lock.made_dir = not run_dir.exists()  # removed again if the run leaves it empty (refused by a later check)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock.acquire(say)
     if old and not resume:  # run.overwrite=true: moved aside while this process holds the lock
@@ -152,6 +154,7 @@ class RunLock:
         self.path = Path(os.path.abspath(path))
         self.token = uuid.uuid4().hex
         self.held = False
+        self.made_dir = False  # the run directory was made for this run: release removes it if nothing is in it
 
     def check(self) -> None:
         """Raise :class:`RunDirError` if a live run (or one on another host) holds the lock; a stale lock passes."""
@@ -187,6 +190,9 @@ class RunLock:
         info = self._read()
         if info is not None and info.get("token") == self.token:
             self.path.unlink(missing_ok=True)
+        if self.made_dir:
+            with contextlib.suppress(OSError):  # not empty: the run wrote something
+                self.path.parent.rmdir()
 
     def _create(self) -> bool:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "token": self.token,

@@ -498,12 +498,14 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
         ]
     recs = report["recompiles"]
     limit = report["max_recompiles"]
-    lines.append(
-        f"Recompiles: {len(recs)} ({report['recompiles_after_warmup']} after warm-up"
-        + (f", limit compile.max_recompiles={limit})" if limit is not None else ")")
-    )
+    expected = sum(1 for r in recs if r["after_warmup"] and r["expected"])
+    counts = [f"{len(recs) - expected - report['recompiles_after_warmup']} in warm-up"]
+    counts += [f"{expected} expected after it (a first evaluation, a resume)"] if expected else []
+    counts += [f"{report['recompiles_after_warmup']} unexpected after it"]
+    counts += [f"limit compile.max_recompiles={limit}"] if limit is not None else []
+    lines.append(f"Recompiles: {len(recs)} ({', '.join(counts)})")
     for r in recs:
-        when = (" after warm-up" + (" (expected)" if r["expected"] else "")) if r["after_warmup"] else ""
+        when = (" after warm-up" + (", expected" if r["expected"] else "")) if r["after_warmup"] else " in warm-up"
         step = f", step {r['step']}" if r.get("step") is not None else ""
         lines.append(f"  - {r['function']}" + (f" ({r['where']})" if r["where"] else "") + f"{when}{step}")
         lines.append(f"      failed guard: {r['reason'].splitlines()[0]}")

@@ -9,6 +9,8 @@ last item is the loss (nanoGPT's ``(logits, loss)`` works unchanged). A Hugging 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -69,12 +71,36 @@ def gpt_shape(preset: str | None, **overrides: int | None) -> dict:
     return shape
 
 
+def import_target(module_name: str):
+    """Import ``model.target``'s module as ``python -m trainer`` would, under any launcher: a module found in the
+    working directory is imported from there first (the ``trainer`` console script and a script elsewhere do not
+    put the working directory on ``sys.path``; without it a user's ``scripts/`` would lose to an installed
+    ``scripts`` package, or not be found at all).
+
+    Raises:
+        ValueError: the module, or a module it imports, cannot be imported; for the module itself the message shows
+            where Python looked.
+    """
+    cwd, top = os.getcwd(), module_name.partition(".")[0]
+    here = os.path.isdir(os.path.join(cwd, top)) or os.path.isfile(os.path.join(cwd, f"{top}.py"))
+    if here and cwd not in [os.path.abspath(p or ".") for p in sys.path]:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        if not (isinstance(e, ModuleNotFoundError) and e.name == top):  # found; it or what it imports failed
+            raise ValueError(f"model.target: cannot import module '{module_name}': {e}") from None
+        shown = ", ".join(p or "." for p in sys.path[:3])
+        raise ValueError(
+            f"model.target: cannot import module '{module_name}': {e}. Python looked in the working directory ({cwd}) "
+            f"and sys.path ({shown}, ... {len(sys.path)} entries): run from the directory that holds {top}/ (or "
+            f"{top}.py), or add that directory to the search path with PYTHONPATH=DIR"
+        ) from None
+
+
 def _build_user_model(target: str, kwargs: dict) -> nn.Module:
     module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"model.target: cannot import module '{module_name}': {e}") from None
+    module = import_target(module_name)
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"model.target: '{module_name}' has no callable '{attr}'")
