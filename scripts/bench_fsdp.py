@@ -21,6 +21,9 @@ grid. Every job runs under ``torch.distributed.run --standalone`` in fresh proce
   of the shards; fused AdamW, ``clip_grad_norm_`` (1.0); random tokens drawn on the GPU each step. The loss is
   the trainer's (:class:`trainer.models.hf.HFCausalLM`: the LM head, logits upcast to fp32, cross-entropy), so
   both rows compute the same thing. Timed over the whole window of timed steps, one synchronisation at each end.
+- ``loop-fp8``: the loop with torchtitan's float8 (``convert_to_float8_training`` before compile and
+  ``fully_shard``: every linear but the LM head, tensorwise scales, the weights all-gathered in float8, their
+  scales precomputed after each optimizer step). Ours in fp8 is ``ours@train.precision=fp8``.
 - ``ours``: ``trainer fit`` with ``distributed.strategy=fsdp`` and ``compile.enabled=true`` (blocks compiled,
   our kernels substituted, ``distributed.fsdp_unit_mb`` units, fused AdamW), on the embedded corpus (bytes, which
   fit any vocabulary). Its median step time. At world 1 the Trainer runs its single-GPU path (no sharding,
@@ -76,7 +79,7 @@ sys.path.insert(0, str(ROOT))
 from scripts._models import hf_dir, spec  # noqa: E402
 from scripts.bench_ddp import SAME_AS_USER, SPEC_PEAK  # noqa: E402
 
-ROWS = {"loop": {"kind": "user"}, "ours": {"kind": "ours", "overrides": []}}
+ROWS = {"loop": {"kind": "user"}, "loop-fp8": {"kind": "user", "fp8": True}, "ours": {"kind": "ours", "overrides": []}}
 AC_MODES = ("none", "full", "selective")
 # --tiny: the model's config with these fields changed (a 2-layer Llama, 64 wide; bytes fill its vocabulary).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -155,6 +158,11 @@ def run_loop(a, job: dict) -> dict:
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = HFCausalLM(hf)  # the root FSDP unit: its forward runs the base model, the head and the loss
+    if job["spec"].get("fp8"):  # torchtitan's float8: every linear but the head, float8 all-gather, scales per step
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        f8 = Float8LinearConfig(enable_fsdp_float8_all_gather=cuda, emulate=not cuda)
+        convert_to_float8_training(hf, config=f8, module_filter_fn=lambda m, fqn: fqn != "lm_head")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
     # One context factory for every layer: Dynamo guards on it, so the layers share one compiled graph.
     selective = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
@@ -174,6 +182,10 @@ def run_loop(a, job: dict) -> dict:
     torch.manual_seed(0)
     hf.init_weights()
     opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=cuda)
+    if job["spec"].get("fp8") and cuda:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        opt.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     build_s = time.perf_counter() - t0
 
     seq, batch, vocab = _seq(a, job["model"]), job["batch"], config.vocab_size
@@ -438,6 +450,9 @@ def table(doc: dict) -> str:
         t = e["tokens_per_s_per_gpu"]
         loop = tps(e["model"], e["world"], e["batch"], "loop", e["ac"])
         vs = f"{t / loop:.3f}x" if loop and e["row"] != "loop" else "-"
+        loop8 = tps(e["model"], e["world"], e["batch"], "loop-fp8", e["ac"])
+        if loop8 and "precision=fp8" in e["row"]:  # ours in fp8: against torchtitan's float8 too
+            vs += f" ({t / loop8:.3f}x loop-fp8)"
         one = tps(e["model"], 1, e["batch"], e["row"], e["ac"]) if e["world"] > 1 else None
         scaling = f"{t / one * 100:.1f}%" if one else "-"
         mfu = f"{e['mfu_spec'] * 100:.1f}%" if e.get("mfu_spec") else "-"

@@ -95,6 +95,10 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
     m = cfg.model
     check_attention(cfg, device, amp_dtype(cfg.train.precision, device))
     fsdp = env is not None and env.distributed and cfg.distributed.strategy == "fsdp"
+    if cfg.train.precision == "fp8":
+        from trainer.precision import fp8
+
+        fp8.check_available(device)  # before anything is built: exit 2 where float8 cannot run
 
     def build(pretrained: bool) -> nn.Module:
         return build_model(
@@ -104,9 +108,9 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
         )  # fmt: skip
 
     if not fsdp:
-        return check_fits_data(build(m.pretrained), cfg, vocab_size, say).to(device)
+        return _maybe_fp8(check_fits_data(build(m.pretrained), cfg, vocab_size, say), cfg, env, say).to(device)
     if env.rank == 0:
-        return check_fits_data(build(m.pretrained), cfg, vocab_size, say)
+        return _maybe_fp8(check_fits_data(build(m.pretrained), cfg, vocab_size, say), cfg, env, say)
     try:
         with parameters_on_meta():
             model = build(False)  # the weights are rank 0's to read
@@ -114,7 +118,28 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
         warnings.warn(f"fsdp: rank {env.rank} could not build the model with its parameters on the meta device "
                       f"({type(e).__name__}: {e}); building it whole", stacklevel=1)  # fmt: skip
         model = build(False)
-    return check_fits_data(model, cfg, vocab_size, None)  # every rank refuses alike; rank 0 warns
+    return _maybe_fp8(check_fits_data(model, cfg, vocab_size, None), cfg, env, None)  # rank 0 speaks for all
+
+
+def fp8_all_gather(cfg: Config, env) -> bool:
+    """Whether fp8 weights are all-gathered in float8: fsdp on several ranks with the tensorwise recipe, on GPUs."""
+    from trainer.precision import fp8
+
+    fsdp = env is not None and env.distributed and cfg.distributed.strategy == "fsdp"
+    return cfg.train.precision == "fp8" and fsdp and cfg.train.fp8_recipe == "tensorwise" and not fp8.emulated()
+
+
+def _maybe_fp8(model: nn.Module, cfg: Config, env, say) -> nn.Module:
+    """``model`` with its linears converted to float8 training under ``train.precision=fp8`` (the rule:
+    :mod:`trainer.precision.fp8`); ``say`` gets how many, and why the others are not."""
+    if cfg.train.precision != "fp8":
+        return model
+    from trainer.precision import fp8
+
+    conversion = fp8.convert(model, cfg.train.fp8_recipe, fsdp_all_gather=fp8_all_gather(cfg, env))
+    if say is not None:
+        say(conversion.describe() + ("; weights all-gathered in float8" if fp8_all_gather(cfg, env) else ""))
+    return model
 
 
 def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int, say=None) -> nn.Module:
@@ -200,8 +225,10 @@ def describe_run(cfg: Config, env, model: nn.Module, corpus, amp_dtype, tokens_p
     eager = (f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
              "transformers: slower, and it keeps the attention matrix)") if attention == "eager" else ""  # fmt: skip
     cost = cpu_cost(cfg, model, amp_dtype) if env.device.type == "cpu" else None
+    fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if cfg.train.precision == "fp8" else ""
+    precision = fp8 + precision_name(amp_dtype)
     return (f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
-            f"{len(corpus.train) / 1e6:.1f}M train tokens; device {env.device}{ranks}, {precision_name(amp_dtype)}; "
+            f"{len(corpus.train) / 1e6:.1f}M train tokens; device {env.device}{ranks}, {precision}; "
             f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}"
             + (f"\n[yellow]{cost}[/yellow]" if cost else ""))  # fmt: skip
 
@@ -251,15 +278,21 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, cfg: Config,
     )  # fmt: skip
 
 
-def compile_watcher(cfg: Config, say):
+def compile_watcher(cfg: Config, say, model: nn.Module | None = None):
     """A :class:`trainer.compile.report.CompileWatcher` (graphs, breaks, recompiles, compile time) that warns on a
-    recompile after warm-up, when anything is compiled; else None."""
+    recompile after warm-up, when anything is compiled; else None. Under ``train.precision=fp8`` its report lists
+    ``model``'s linears in float8 and the others with the reason."""
     if not (cfg.compile.enabled or cfg.compile.autograd):
         return None
     from trainer.compile.report import CompileWatcher
 
     warn = lambda rec: say(f"[yellow]warning: {rec['message']}[/yellow]")
-    return CompileWatcher(max_recompiles=cfg.compile.max_recompiles, on_recompile=warn).start()
+    watcher = CompileWatcher(max_recompiles=cfg.compile.max_recompiles, on_recompile=warn)
+    if cfg.train.precision == "fp8" and model is not None:
+        from trainer.precision import fp8
+
+        watcher.extra["fp8"] = fp8.conversion_of(model, cfg.train.fp8_recipe).as_dict()
+    return watcher.start()
 
 
 def lr_lambda(cfg: Config):
@@ -313,7 +346,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, env=Non
         impl = "fused" if o.impl == "auto" and device.type == "cuda" else o.impl
         inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=impl, max_grad_norm=0.0, **kwargs)
         return zero.ShardedOptimizer(groups, plan, inner, max_grad_norm=o.grad_clip)
-    return optimizer.build_optimizer(
+    opt = optimizer.build_optimizer(
         groups,
         impl=o.impl,
         max_grad_norm=o.grad_clip,
@@ -321,6 +354,11 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, env=Non
         scaled=amp_dtype(cfg.train.precision, device) == torch.float16,
         **kwargs,
     )
+    if fp8_all_gather(cfg, env):  # the float8 weights' scales for the next all-gather, after each update
+        from trainer.precision import fp8
+
+        opt.register_step_post_hook(fp8.after_optimizer_step(model))
+    return opt
 
 
 def check_attention(cfg: Config, device: torch.device, dtype) -> None:
@@ -368,7 +406,7 @@ def check_attention(cfg: Config, device: torch.device, dtype) -> None:
 def amp_dtype(precision: str, device: torch.device):
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]
 
 
 def grad_scaler(dtype, device: torch.device):

@@ -89,7 +89,7 @@ class Trainer:
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         metrics.print(build.describe_run(cfg, env, raw_model, corpus, amp_dtype, tokens_per_step))
         metrics.print(build.describe_path(cfg, device, opt, why))
-        watcher = build.compile_watcher(cfg, say=metrics.print)
+        watcher = build.compile_watcher(cfg, say=metrics.print, model=raw_model)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
             """What every step's numbers must pass once read: few recompiles, a finite loss (on every rank)."""

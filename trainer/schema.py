@@ -153,8 +153,12 @@ class TrainConfig:
     """Sequences per forward/backward on each rank."""
     grad_accum: int = _f(1, gt=0)
     """Micro-batches accumulated per optimizer step."""
-    precision: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
-    """Autocast precision: auto = bf16 on GPU, fp32 on CPU."""
+    precision: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"])
+    """Autocast precision: auto = bf16 on GPU, fp32 on CPU; fp8 = bf16 autocast with float8 matmuls in the linear
+    layers large enough to gain (torchao, pip install -e '.[fp8]'; a GPU with float8 tensor cores)."""
+    fp8_recipe: str = _f("tensorwise", choices=["tensorwise", "rowwise"])
+    """With train.precision=fp8: one float8 scale per tensor (tensorwise; under fsdp the weights are all-gathered
+    in float8) or per row (rowwise: finer, slower)."""
     device: str = "auto"
     """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     eval_every: int = _f(0, ge=0)

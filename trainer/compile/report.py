@@ -190,6 +190,7 @@ class CompileWatcher:
         self._breaks: dict[tuple, dict[str, Any]] = {}
         self._recompiles: list[dict[str, Any]] = []
         self._pending: list[dict[str, Any]] = []  # recompiles after warm-up not yet passed to on_recompile
+        self.extra: dict[str, Any] = {}  # more for the report from the run (``fp8``: the linears in float8)
         self._seen: dict[int, Any] = {}
         self._counters0: dict[tuple[str, str], int] = {}
         self._captures_seen = 0
@@ -442,6 +443,7 @@ class CompileWatcher:
                 for c in self._compiles
                 if c["failed"]
             ],
+            **self.extra,
         }
 
     def write(self, path: str | os.PathLike) -> Path:
@@ -517,6 +519,18 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
         where = f" ({f['where']})" if f["where"] else ""
         lines.append(f"Not compiled, runs eagerly: {f['function']}{where} [{f['compile_id']}]: {_summary(f['error'])}")
     lines += _kernel_lines(report.get("kernels", []), report.get("kernel_near_misses", []), verbose)
+    if fp8 := report.get("fp8"):
+        lines.append(f"fp8 ({fp8['recipe']}): {len(fp8['converted'])} linears in float8, {len(fp8['left_out'])} in "
+                     "bf16")  # fmt: skip
+        if verbose:
+            lines += [f"  float8: {name}" for name in fp8["converted"]]
+            lines += [f"  bf16: {x['name']} ({x['why']})" for x in fp8["left_out"]]
+        else:  # one line per reason, with its first layer
+            firsts: dict[str, list] = {}
+            for x in fp8["left_out"]:
+                firsts.setdefault(x["why"], []).append(x["name"])
+            lines += [f"  bf16, {why}: {len(names)} ({names[0]}{', ...' if len(names) > 1 else ''})"
+                      for why, names in firsts.items()]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -1,0 +1,1 @@
+"""Precision beyond autocast: float8 training (:mod:`trainer.precision.fp8`)."""
