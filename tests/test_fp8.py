@@ -125,10 +125,10 @@ def test_fp8_trains_like_bf16_and_the_report_lists_the_conversion(tmp_path, monk
     assert "fp8 (tensorwise): 1 linears in float8, 3 in bf16" in text and "bf16, the LM head: 1 (head)" in text
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, *args: str, emulate: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer",
            "fit", "configs/tiny.yaml", *MODEL, *args]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **EMULATE}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(EMULATE if emulate else {})}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -136,22 +136,37 @@ def test_a_bf16_run_resumes_in_fp8_on_two_ranks_and_back(tmp_path):
     """Checkpoints hold the same parameters in bf16 and fp8 (fp32, the same names): a bf16 fsdp run on 2 gloo ranks
     (DCP checkpoints) resumes in fp8 (emulated) at its step, and that run resumes in bf16 again. Each continues
     where the other stopped: the steps are 1..6 once each, and the loss keeps falling from where it was."""
+    _bf16_fp8_bf16(tmp_path / "run", emulate=True)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fsdp_fp8_on_two_gpus_resumes_from_bf16_and_back(tmp_path):
+    """The same on 2 GPUs under NCCL, compiled, with the float8 tensor-core matmul and the weights all-gathered in
+    float8 (their scales precomputed after each step): DCP saves and loads those weights like bf16's."""
+    out = _bf16_fp8_bf16(tmp_path / "run", emulate=False)
+    assert "weights all-gathered in float8" in out
+
+
+def _bf16_fp8_bf16(run, emulate: bool) -> str:
+    """bf16 for 2 steps, fp8 to step 4, bf16 to step 6, each resuming the last: the fp8 run's stdout."""
     strategy = "fsdp"
-    run = tmp_path / "run"
     r = _torchrun(2, f"distributed.strategy={strategy}", "train.steps=6", "train.stop_at=2",
-                  "train.precision=bf16", f"run.dir={run}")  # fmt: skip
+                  "train.precision=bf16", f"run.dir={run}", emulate=emulate)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     r = _torchrun(2, f"distributed.strategy={strategy}", "train.steps=6", "train.stop_at=4",
-                  "train.precision=fp8", f"run.dir={run}", "resume=last")  # fmt: skip
+                  "train.precision=fp8", f"run.dir={run}", "resume=last", emulate=emulate)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from" in r.stdout and "train.precision: 'bf16' -> 'fp8'" in r.stdout, r.stdout
-    assert "fp8 (tensorwise): 1 of 4 linears in float8" in r.stdout
+    fp8_out = r.stdout
+    assert "resumed from" in fp8_out and "train.precision: 'bf16' -> 'fp8'" in fp8_out, fp8_out
+    assert "fp8 (tensorwise): 1 of 4 linears in float8" in fp8_out
     r = _torchrun(2, f"distributed.strategy={strategy}", "train.steps=6", "train.precision=bf16",
-                  f"run.dir={run}", "resume=last")  # fmt: skip
+                  f"run.dir={run}", "resume=last", emulate=emulate)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     loss = losses(run)
     assert sorted(loss) == [1, 2, 3, 4, 5, 6]
     assert loss[6] < loss[1], loss
+    return fp8_out
 
 
 @pytest.mark.gpu
