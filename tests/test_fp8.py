@@ -134,9 +134,12 @@ def _torchrun(nproc: int, *args: str, emulate: bool = True) -> subprocess.Comple
 
 def test_a_bf16_run_resumes_in_fp8_on_two_ranks_and_back(tmp_path):
     """Checkpoints hold the same parameters in bf16 and fp8 (fp32, the same names): a bf16 fsdp run on 2 gloo ranks
-    (DCP checkpoints) resumes in fp8 (emulated) at its step, and that run resumes in bf16 again. Each continues
-    where the other stopped: the steps are 1..6 once each, and the loss keeps falling from where it was."""
-    _bf16_fp8_bf16(tmp_path / "run", emulate=True)
+    (DCP checkpoints) resumes in fp8 (emulated, the weights all-gathered in float8) at its step, and that run
+    resumes in bf16 again. Each continues where the other stopped: the steps are 1..6 once each, and the loss keeps
+    falling from where it was. (The float8 weights' wrapper class must not reach the checkpoint: torch.load would
+    refuse it.)"""
+    out = _bf16_fp8_bf16(tmp_path / "run", emulate=True)
+    assert "weights all-gathered in float8" in out
 
 
 @pytest.mark.multi_gpu

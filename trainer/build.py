@@ -122,11 +122,9 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
 
 
 def fp8_all_gather(cfg: Config, env) -> bool:
-    """Whether fp8 weights are all-gathered in float8: fsdp on several ranks with the tensorwise recipe, on GPUs."""
-    from trainer.precision import fp8
-
+    """Whether fp8 weights are all-gathered in float8: fsdp on several ranks with the tensorwise recipe."""
     fsdp = env is not None and env.distributed and cfg.distributed.strategy == "fsdp"
-    return cfg.train.precision == "fp8" and fsdp and cfg.train.fp8_recipe == "tensorwise" and not fp8.emulated()
+    return cfg.train.precision == "fp8" and fsdp and cfg.train.fp8_recipe == "tensorwise"
 
 
 def _maybe_fp8(model: nn.Module, cfg: Config, env, say) -> nn.Module:
