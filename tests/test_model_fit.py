@@ -79,6 +79,22 @@ def test_the_model_is_checked_against_the_data_before_step_1(user_dir):
     assert not (user_dir / "runs" / "run").exists(), "a refused run left its directory behind"
 
 
+def test_a_vocabulary_smaller_than_the_data_exits_2_naming_both(user_dir, capsys, monkeypatch):
+    """The same check in-process (the Python API's path): 100 token rows for byte data (256)."""
+    from trainer.cli import main
+
+    monkeypatch.chdir(user_dir)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory it adds goes with the test
+    for name in ("mypkg", "mypkg.models"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    rc = main(["fit", "my.yaml", *FAST[3:], "model.kwargs={vocab_size: 100}", "run.dir=r"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert "token table wte.weight holds 100 tokens; the data's vocabulary is 256" in err, err
+    assert "a vocabulary of at least 256 tokens (model.kwargs.vocab_size)" in err
+    assert not (user_dir / "r").exists()
+
+
 def test_a_module_that_is_truly_missing_says_where_python_looked(user_dir, capsys):
     from trainer.cli import main
 
