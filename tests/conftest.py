@@ -12,6 +12,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread per process: the suite runs two pytest workers on two cores (`-n 2`), each starting
+# trainer processes of its own; more threads than cores wait on each other (docs/troubleshooting.md, "Slow on a
+# CPU"). The tests' subprocesses inherit the variable, so a run in this process and one in a subprocess compute
+# with the same thread count (their floats can then be compared bit for bit).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# Inductor on CPU first builds and loads a probe library for each vector ISA the CPU reports (about 5 s per process,
+# every process compiling in a fresh cache directory, and every run has its own). Here the ISAs the CPU reports are
+# taken as working: the generated code is the same as after a successful probe.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A model and batch small enough that a step takes milliseconds on 2 CPU cores.
@@ -64,6 +75,31 @@ def run_cli(*args, env=None, timeout=300, cwd=ROOT):
     return subprocess.run(
         [sys.executable, "-m", "trainer", *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
     )
+
+
+def cli(capsys, *args, env=None):
+    """``trainer ARGS`` in this process (``trainer.cli.main``), for a run that needs no process of its own (one that
+    is not signalled or killed): the CompletedProcess :func:`run_cli` would give, without its ~3 s of imports.
+    ``env`` is set for the call alone; the working directory is the repository's, as for :func:`run_cli`. Without
+    ``capsys`` (a module's fixture) the output is left to pytest's capture, and stdout and stderr come back empty."""
+    from trainer.cli import main
+
+    if capsys is not None:
+        capsys.readouterr()  # what the test printed before is not the command's
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.update(env or {})
+    os.chdir(ROOT)
+    try:
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's errors
+            code = e.code
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    out, err = capsys.readouterr() if capsys is not None else ("", "")
+    return subprocess.CompletedProcess(["trainer", *args], code, out, err)
 
 
 def metric(run_dir: Path, key: str) -> dict[int, float]:
