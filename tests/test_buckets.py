@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.conftest import run_cli
+from tests.conftest import cli
 from trainer.distributed.buckets import MiB, plan_buckets
 from trainer.models import build_model
 
@@ -117,9 +117,9 @@ def test_bad_cap_is_refused():
         plan_buckets(_gpt(1), bucket_mb=0)
 
 
-def test_explain_prints_plan_and_graph_pieces(tmp_path):
-    r = run_cli("explain", "configs/tiny.yaml", "compile.backend=aot_eager", "distributed.strategy=ddp",
-                "distributed.bucket_mb=0.1", "model.n_embd=64", "data.seq_len=32", "--steps", "1")  # fmt: skip
+def test_explain_prints_plan_and_graph_pieces(tmp_path, capsys, fresh_dynamo):
+    r = cli(capsys, "explain", "configs/tiny.yaml", "compile.backend=aot_eager", "distributed.strategy=ddp",
+            "distributed.bucket_mb=0.1", "model.n_embd=64", "data.seq_len=32", "--steps", "1")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "bucket plan: 6 buckets" in out

@@ -1,13 +1,14 @@
 """The compile layer: capture scopes, compiled autograd with hooks, parity with eager, no recompiles."""
 
 import json
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-from tests.conftest import FAST, ROOT, losses
+from tests.conftest import FAST, ROOT, cli, losses
 from trainer.compile.autograd import compiled_autograd
 from trainer.compile.capture import apply_compile, find_blocks
 from trainer.config import load_config
@@ -203,38 +204,41 @@ def make():
 """
 
 
-def test_explain_names_the_planted_break_and_writes_the_report(tmp_path):
-    from tests.conftest import run_cli
-
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """PLANTED as the module ``planted_model`` in ``tmp_path``, importable by model.target in this process."""
     (tmp_path / "planted_model.py").write_text(PLANTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "planted_model", raising=False)  # another test's, from its own directory
+    yield tmp_path / "planted_model.py"
+    sys.modules.pop("planted_model", None)
+
+
+def test_explain_names_the_planted_break_and_writes_the_report(tmp_path, planted, capsys):
     line = PLANTED.splitlines().index('        print("planted graph break")') + 1
-    r = run_cli("explain", "configs/tiny.yaml", "model.preset=null", "model.target=planted_model:make",
-                "compile.backend=aot_eager", "data.seq_len=16", "train.micro_batch_size=2", "--steps", "2",
-                env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+    r = cli(capsys, "explain", "configs/tiny.yaml", "model.preset=null", "model.target=planted_model:make",
+            "compile.backend=aot_eager", "data.seq_len=16", "train.micro_batch_size=2", "--steps", "2")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert f"{tmp_path / 'planted_model.py'}:{line}" in r.stdout, r.stdout
+    assert f"{planted}:{line}" in r.stdout, r.stdout
     assert "Graph breaks: 1" in r.stdout and "print" in r.stdout
     # `fit` writes the same report into the run directory
     run = tmp_path / "run"
-    r = run_cli("fit", "configs/tiny.yaml", *FAST, "model.preset=null", "model.target=planted_model:make",
-                "compile.enabled=true", "compile.backend=aot_eager", "train.steps=3", f"run.dir={run}",
-                env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+    torch._dynamo.reset()
+    r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, "model.preset=null", "model.target=planted_model:make",
+            "compile.enabled=true", "compile.backend=aot_eager", "train.steps=3", f"run.dir={run}")  # fmt: skip
     assert r.returncode == 0, r.stderr
     report = json.loads((run / "compile_report.json").read_text())
     assert report["graph_breaks"][0]["line"] == line
     assert report["recompiles_after_warmup"] == 0
 
 
-def test_compile_failure_stops_or_falls_back(tmp_path):
-    from tests.conftest import run_cli
-
+def test_compile_failure_stops_or_falls_back(tmp_path, planted, capsys):
     base = ["fit", "configs/tiny.yaml", *FAST, "train.steps=3", "compile.enabled=true", "compile.backend=aot_eager",
             "compile.fullgraph=true", "model.preset=null", "model.target=planted_model:make"]  # fmt: skip
-    (tmp_path / "planted_model.py").write_text(PLANTED)
-    env = {"PYTHONPATH": str(tmp_path)}
-    r = run_cli(*base, f"run.dir={tmp_path / 'a'}", env=env)  # fullgraph + a graph break: a compile failure
+    r = cli(capsys, *base, f"run.dir={tmp_path / 'a'}")  # fullgraph + a graph break: a compile failure
     assert r.returncode == 1 and "compile.fallback=eager" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    r = run_cli(*base, f"run.dir={tmp_path / 'b'}", "compile.fallback=eager", env=env)
+    torch._dynamo.reset()
+    r = cli(capsys, *base, f"run.dir={tmp_path / 'b'}", "compile.fallback=eager")
     assert r.returncode == 0, r.stderr
     assert "compile failed; compile.fallback=eager" in r.stderr and "running this run eagerly" in r.stderr
     assert "done: 3 steps" in r.stdout

@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, cli
 from trainer.config import Config, ConfigError, load_config, reference_markdown, to_yaml
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -85,7 +85,7 @@ def test_malformed_and_missing_files(tmp_path):
         load_config(lst)
 
 
-def test_cli_user_errors_exit_2_without_traceback(tmp_path):
+def test_cli_user_errors_exit_2_without_traceback(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: {steps: 1\n")
     cases = [
@@ -97,17 +97,17 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path):
         (["fit"], "required"),
     ]
     for args, needle in cases:
-        r = run_cli(*args)
+        r = cli(capsys, *args)  # in this process: an exception that escaped would fail the test here
         assert r.returncode == 2, (args, r.stderr)
         assert needle in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr, r.stderr
 
 
-def test_print_config_shows_resolved_yaml_with_help():
-    r = run_cli("print-config", "configs/tiny.yaml", "optim.lr=0.01")
+def test_print_config_shows_resolved_yaml_with_help(capsys):
+    r = cli(capsys, "print-config", "configs/tiny.yaml", "optim.lr=0.01")
     assert r.returncode == 0, r.stderr
     assert "lr: 0.01  # Peak learning rate." in r.stdout
-    plain = yaml.safe_load(run_cli("print-config", "configs/tiny.yaml", "--no-help").stdout)
+    plain = yaml.safe_load(cli(capsys, "print-config", "configs/tiny.yaml", "--no-help").stdout)
     assert plain["run"]["dir"] == "runs/tiny"
 
 

@@ -1,4 +1,7 @@
-"""End-to-end runs of `trainer fit` on CPU: training, metrics, exact resume, crashes, signals, NaN."""
+"""End-to-end runs of `trainer fit` on CPU: training, metrics, exact resume, crashes, signals, NaN.
+
+A run that is killed (TRAINER_FAULT's SIGKILL points) or signalled runs in a process of its own (`python -m
+trainer`); the others run in the test's process through trainer.cli.main, with the same exit codes and output."""
 
 import json
 import os
@@ -10,20 +13,25 @@ import time
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, run_cli
+from tests.conftest import FAST, ROOT, cli, run_cli
 
 
 def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _fit(run_dir, *extra, env=None):
-    r = run_cli("fit", "configs/tiny.yaml", *FAST, f"run.dir={run_dir}", *extra, env=env)
-    return r
+def _fit(capsys, run_dir, *extra):
+    """`trainer fit` in this process."""
+    return cli(capsys, "fit", "configs/tiny.yaml", *FAST, f"run.dir={run_dir}", *extra)
 
 
-def test_fit_trains_and_writes_the_run_dir(tmp_path):
-    r = _fit(tmp_path, "train.steps=30", "optim.lr=3e-3", "train.eval_every=15", "checkpoint.every=10")
+def _fit_killed(run_dir, *extra, fault: str):
+    """`trainer fit` in a process of its own, which TRAINER_FAULT=fault SIGKILLs."""
+    return run_cli("fit", "configs/tiny.yaml", *FAST, f"run.dir={run_dir}", *extra, env={"TRAINER_FAULT": fault})
+
+
+def test_fit_trains_and_writes_the_run_dir(tmp_path, capsys):
+    r = _fit(capsys, tmp_path, "train.steps=30", "optim.lr=3e-3", "train.eval_every=15", "checkpoint.every=10")
     assert r.returncode == 0, r.stderr
     rows = _metrics(tmp_path)
     assert [x["step"] for x in rows if "loss" in x] == [1, 5, 10, 15, 20, 25, 30]  # the first step, then log.every
@@ -39,14 +47,15 @@ def test_fit_trains_and_writes_the_run_dir(tmp_path):
     assert "done: 30 steps" in r.stdout
 
 
-def test_resume_is_bitwise_exact(tmp_path):
+def test_resume_is_bitwise_exact(tmp_path, capsys):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     common = ["train.steps=40", "log.every=1", "checkpoint.every=20", "train.eval_every=0", "model.dropout=0.1"]
-    assert _fit(straight, *common).returncode == 0
-    # The process dies (SIGKILL) right after the step-20 checkpoint; resume=last continues it.
-    r = _fit(broken, *common, env={"TRAINER_FAULT": "after_checkpoint:20"})
+    assert _fit(capsys, straight, *common).returncode == 0
+    # The process dies (SIGKILL) right after the step-20 checkpoint; resume=last continues it (here, in this process:
+    # tests/conftest.py gives both the same thread count).
+    r = _fit_killed(broken, *common, fault="after_checkpoint:20")
     assert r.returncode == -signal.SIGKILL, r.stderr
-    r = _fit(broken, *common, "resume=last")
+    r = _fit(capsys, broken, *common, "resume=last")
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     a = {x["step"]: x["loss"] for x in _metrics(straight) if "loss" in x}
@@ -59,53 +68,52 @@ def test_resume_is_bitwise_exact(tmp_path):
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
-def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path):
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, capsys):
     common = ["train.steps=30", "checkpoint.every=10", "checkpoint.keep=5"]
-    r = _fit(tmp_path, *common, env={"TRAINER_FAULT": "checkpoint_write:20"})
+    r = _fit_killed(tmp_path, *common, fault="checkpoint_write:20")
     assert r.returncode == -signal.SIGKILL
     root = tmp_path / "checkpoints"
     assert (root / "last").read_text().strip() == "step_000010"
     assert not (root / "step_000020").exists() and (root / ".tmp-step_000020").exists()
-    r = _fit(tmp_path, *common, "resume=last")
+    r = _fit(capsys, tmp_path, *common, "resume=last")
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout and "step_000010" in r.stdout
     assert (root / "last").read_text().strip() == "step_000030"
     assert not (root / ".tmp-step_000020").exists()  # the torn write is cleaned up
 
 
-def test_bad_checkpoints_exit_2_naming_the_file(tmp_path):
-    assert _fit(tmp_path, "train.steps=5").returncode == 0
+def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys):
+    assert _fit(capsys, tmp_path, "train.steps=5").returncode == 0
     model_pt = tmp_path / "checkpoints/step_000005/model.pt"
     data = model_pt.read_bytes()
     model_pt.write_bytes(data[: len(data) // 2])
-    r = _fit(tmp_path, "train.steps=10", "resume=last")
+    r = _fit(capsys, tmp_path, "train.steps=10", "resume=last")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert str(model_pt) in r.stderr, r.stderr
 
     # A checkpoint file carrying a pickled object that runs code on load is refused, and the code never runs.
     marker = tmp_path / "pwned"
-    code = (
-        "import os, torch\n"
-        "class Evil:\n"
-        "    def __reduce__(self):\n"
-        f"        return (os.system, ('touch {marker}',))\n"
-        f"torch.save({{'x': Evil()}}, '{model_pt}')\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
-    r = _fit(tmp_path, "train.steps=10", "resume=last")
+
+    class Evil:
+        def __reduce__(self):  # called by torch.save: unpickling calls os.system("touch ...")
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"x": Evil()}, model_pt)
+    assert not marker.exists()  # saving ran nothing
+    r = _fit(capsys, tmp_path, "train.steps=10", "resume=last")
     assert r.returncode == 2, r.stderr
     assert "would run code" in r.stderr and str(model_pt) in r.stderr
     assert not marker.exists()
 
 
-def test_resume_rejects_an_incompatible_config_and_reports_changes(tmp_path):
-    assert _fit(tmp_path, "train.steps=5").returncode == 0
-    r = _fit(tmp_path, "train.steps=10", "model.n_embd=64", "resume=last")
+def test_resume_rejects_an_incompatible_config_and_reports_changes(tmp_path, capsys):
+    assert _fit(capsys, tmp_path, "train.steps=5").returncode == 0
+    r = _fit(capsys, tmp_path, "train.steps=10", "model.n_embd=64", "resume=last")
     assert r.returncode == 2 and "model.n_embd" in r.stderr and "incompatible" in r.stderr
-    r = _fit(tmp_path, "train.steps=8", "optim.lr=1e-3", "resume=last")
+    r = _fit(capsys, tmp_path, "train.steps=8", "optim.lr=1e-3", "resume=last")
     assert r.returncode == 0, r.stderr
     assert "changed on resume: optim.lr" in r.stdout and "train.steps: 5 -> 8" in r.stdout
-    r = _fit(tmp_path / "fresh", "resume=last")
+    r = _fit(capsys, tmp_path / "fresh", "resume=last")
     assert r.returncode == 2 and "no complete checkpoint" in r.stderr
 
 
@@ -128,8 +136,8 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig):
     assert meta["step"] == _metrics(tmp_path)[-1]["step"] >= 3
 
 
-def test_nan_loss_stops_without_overwriting_the_last_checkpoint(tmp_path):
-    r = _fit(tmp_path, "train.steps=60", "checkpoint.every=2", "optim.lr=1e4", "optim.grad_clip=0",
+def test_nan_loss_stops_without_overwriting_the_last_checkpoint(tmp_path, capsys):
+    r = _fit(capsys, tmp_path, "train.steps=60", "checkpoint.every=2", "optim.lr=1e4", "optim.grad_clip=0",
              "schedule.warmup_steps=0", "log.every=1")  # fmt: skip
     assert r.returncode == 1, r.stderr
     assert "loss is nan" in r.stderr or "loss is inf" in r.stderr
@@ -139,21 +147,21 @@ def test_nan_loss_stops_without_overwriting_the_last_checkpoint(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_tensorboard_and_plot(tmp_path):
+def test_tensorboard_and_plot(tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
-    assert _fit(a, "train.steps=10", "log.tensorboard=true", "train.eval_every=5").returncode == 0
+    assert _fit(capsys, a, "train.steps=10", "log.tensorboard=true", "train.eval_every=5").returncode == 0
     assert list((a / "tb").glob("events.out.tfevents.*"))
-    assert _fit(b, "train.steps=10", "optim.lr=1e-3", "run.name=slow").returncode == 0
-    r = run_cli("plot", str(a), str(b), "-o", str(tmp_path / "p.png"))
+    assert _fit(capsys, b, "train.steps=10", "optim.lr=1e-3", "run.name=slow").returncode == 0
+    r = cli(capsys, "plot", str(a), str(b), "-o", str(tmp_path / "p.png"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    r = run_cli("plot", str(tmp_path / "nope"))
+    r = cli(capsys, "plot", str(tmp_path / "nope"))
     assert r.returncode == 2 and "no metrics.jsonl" in r.stderr
 
 
-def test_nan_skip_mode_skips_updates_and_finishes(tmp_path):
-    r = _fit(tmp_path, "train.steps=30", "optim.lr=1e4", "optim.grad_clip=0", "schedule.warmup_steps=0",
+def test_nan_skip_mode_skips_updates_and_finishes(tmp_path, capsys):
+    r = _fit(capsys, tmp_path, "train.steps=30", "optim.lr=1e4", "optim.grad_clip=0", "schedule.warmup_steps=0",
              "train.on_nan=skip", "checkpoint.enabled=false")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "non-finite loss or gradient norm; update skipped" in r.stderr

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, run_cli
+from tests.conftest import FAST, ROOT, cli
 from trainer.build import resolve_auto
 from trainer.config import load_config
 
@@ -57,8 +57,8 @@ def test_a_bad_value_names_the_choices():
         load_config(ROOT / "configs/tiny.yaml", ["compile.enabled=maybe"])
 
 
-def test_the_run_says_its_path_and_the_first_step_its_time(tmp_path):
-    r = run_cli("fit", "configs/tiny.yaml", *FAST, "train.steps=2", f"run.dir={tmp_path / 'eager'}")
+def test_the_run_says_its_path_and_the_first_step_its_time(tmp_path, capsys, fresh_dynamo):
+    r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, "train.steps=2", f"run.dir={tmp_path / 'eager'}")
     assert r.returncode == 0, r.stderr
     assert "path: eager; foreach adamw (compile.enabled=auto: off on cpu; compile.cudagraphs=auto: off on cpu)" in (
         r.stderr
@@ -67,7 +67,7 @@ def test_the_run_says_its_path_and_the_first_step_its_time(tmp_path):
     assert first.startswith("step      1 | first step ") and "tok/s" not in first and "ms/step" not in first, first
 
     compiled = ["compile.enabled=true", "compile.backend=aot_eager"]
-    r = run_cli("fit", "configs/tiny.yaml", *FAST, "train.steps=2", *compiled, f"run.dir={tmp_path / 'aot'}")
+    r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, "train.steps=2", *compiled, f"run.dir={tmp_path / 'aot'}")
     assert r.returncode == 0, r.stderr
     assert "path: compiled (aot_eager, whole model); foreach adamw (compile.cudagraphs=auto: off on cpu)" in r.stderr
     first = next(line for line in r.stderr.splitlines() if line.startswith("step      1"))
