@@ -295,12 +295,13 @@ def test_compiled_autograd_needs_a_compiled_forward(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """tests/test_distributed.py's reference: one process, the whole global batch, no checkpointing."""
-    from tests.test_distributed import COMMON, _torchrun
+    """tests/test_distributed.py's reference: one process (this one), the whole global batch, no checkpointing."""
+    from tests.conftest import cli
+    from tests.test_distributed import COMMON
 
     one = tmp_path_factory.mktemp("one")
-    r = _torchrun(1, *COMMON, "train.steps=4", "train.micro_batch_size=8", f"run.dir={one}")
-    assert r.returncode == 0, r.stderr
+    r = cli(None, "fit", "configs/tiny.yaml", *COMMON, "train.steps=4", "train.micro_batch_size=8", f"run.dir={one}")
+    assert r.returncode == 0
     return one
 
 

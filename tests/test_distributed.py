@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, losses, metric, rank_process
+from tests.conftest import FAST, ROOT, cli, losses, metric, rank_process
 
 SHAPE = [f for f in FAST if not f.startswith("train.micro_batch_size")]
 
@@ -36,10 +36,9 @@ COMMON = [*SHAPE, "train.steps=8", "log.every=1", "optim.lr=3e-3"]
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The reference: one process, the whole global batch of 8 sequences."""
+    """The reference: one process (this one), the whole global batch of 8 sequences."""
     one = tmp_path_factory.mktemp("one")
-    r = _torchrun(1, *COMMON, "train.micro_batch_size=8", f"run.dir={one}")
-    assert r.returncode == 0, r.stderr
+    assert cli(None, "fit", "configs/tiny.yaml", *COMMON, "train.micro_batch_size=8", f"run.dir={one}").returncode == 0
     return one
 
 
@@ -136,8 +135,8 @@ def test_plan_split_and_reduction_inside_the_backward_graph(tmp_path):
         assert 1e-4 < bf16["max_rel_grad_err"] < 2e-2, bf16["max_rel_grad_err"]
 
 
-def test_save_on_two_ranks_resume_on_one(one_process, tmp_path):
-    """fsdp: stop at step 5 of 8 on 2 ranks (a DCP checkpoint), finish in 1 process: equal to one process.
+def test_save_on_two_ranks_resume_on_one(one_process, tmp_path, capsys):
+    """fsdp: stop at step 5 of 8 on 2 ranks (a DCP checkpoint), finish in 1 process (this one): equal to one process.
 
     (A ddp checkpoint holds whole tensors in model.pt, the same files a single process writes; resume
     across runs is covered by tests/test_fit.py.)
@@ -147,7 +146,8 @@ def test_save_on_two_ranks_resume_on_one(one_process, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "checkpoints" / "step_000005" / "dcp").is_dir()
     assert not (tmp_path / "checkpoints" / "step_000005" / "model.pt").exists()
-    r = _torchrun(1, *COMMON, "train.micro_batch_size=8", f"run.dir={tmp_path}", "resume=last")
+    r = cli(capsys, "fit", "configs/tiny.yaml", *COMMON, "train.micro_batch_size=8", f"run.dir={tmp_path}",
+            "resume=last")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     a, b = losses(one_process), losses(tmp_path)
@@ -162,19 +162,22 @@ from trainer import build
 from trainer.config import load_config
 from trainer.distributed import env as dist_env
 
-cfg = load_config("configs/tiny.yaml", ["distributed.strategy=fsdp", "distributed.fsdp_unit_mb=0",
-                                         "model.dropout=0.0", *json.loads(sys.argv[2])])
 env = dist_env.setup("cpu", "gloo")
-build.seed_everything(cfg.seed)
-model = build.make_model(cfg, 256, env.device, env)
-on_meta = sorted({p.device.type for p in model.parameters()})
-build.shard(model, cfg, None, env, say=None)
-full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-build.seed_everything(cfg.seed)  # the same model built whole in this process, as one process would
-whole = build.make_model(cfg, 256, env.device)
-diff = max((full[k] - v).abs().max().item() for k, v in whole.state_dict().items())
-out = {"devices": on_meta, "keys": sorted(full) == sorted(whole.state_dict()), "diff": diff,
-       "buffers": max([(a - b).abs().max().item() for a, b in zip(model.buffers(), whole.buffers())] or [0.0])}
+out = {}
+for case, overrides in json.loads(sys.argv[2]).items():
+    cfg = load_config("configs/tiny.yaml", ["distributed.strategy=fsdp", "distributed.fsdp_unit_mb=0",
+                                             "model.dropout=0.0", *overrides])
+    build.seed_everything(cfg.seed)
+    model = build.make_model(cfg, 256, env.device, env)
+    on_meta = sorted({p.device.type for p in model.parameters()})
+    build.shard(model, cfg, None, env, say=None)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    build.seed_everything(cfg.seed)  # the same model built whole in this process, as one process would
+    whole = build.make_model(cfg, 256, env.device)
+    diff = max((full[k] - v).abs().max().item() for k, v in whole.state_dict().items())
+    out[case] = {"devices": on_meta, "keys": sorted(full) == sorted(whole.state_dict()), "diff": diff,
+                 "buffers": max([(a - b).abs().max().item() for a, b in zip(model.buffers(), whole.buffers())]
+                                or [0.0])}
 with open(os.path.join(sys.argv[1], f"rank{env.rank}.json"), "w") as f:
     json.dump(out, f)
 dist_env.teardown(env)
@@ -182,35 +185,47 @@ dist_env.exit_code(0)
 """
 
 
-def _rank0_builds(tmp_path, *overrides) -> list[dict]:
+@pytest.fixture(scope="module")
+def rank0_builds(tmp_path_factory) -> dict[str, list[dict]]:
+    """RANK0_BUILDS on 2 ranks, one launch for the two tests below: ``{case: [rank 0's result, rank 1's]}`` for the
+    built-in GPT (``gpt``) and, with transformers installed, a pretrained Llama (``llama``)."""
+    tmp_path = tmp_path_factory.mktemp("rank0_builds")
+    cases = {"gpt": []}
+    try:
+        import transformers
+    except ImportError:
+        transformers = None
+    if transformers is not None:
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64)  # fmt: skip
+        torch.manual_seed(123)  # weights no seed of the run would draw
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+        cases["llama"] = [f"model.hf={tmp_path / 'llama'}", "model.pretrained=true", "data.seq_len=32"]
     script = tmp_path / "rank0_builds.py"
     script.write_text(RANK0_BUILDS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           str(tmp_path), json.dumps(overrides)]  # fmt: skip
+           str(tmp_path), json.dumps(cases)]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_worker_env())
     assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+    return {case: [rank[case] for rank in ranks] for case in cases}
 
 
-def test_fsdp_rank0_builds_the_model_the_others_get_their_shards(tmp_path):
+def test_fsdp_rank0_builds_the_model_the_others_get_their_shards(rank0_builds):
     """Under fsdp rank 0 builds the model on the host and rank 1 with its parameters on the meta device (no
     memory); after sharding, every rank's shards put together equal the model one process builds with the seed."""
-    ranks = _rank0_builds(tmp_path)
+    ranks = rank0_builds["gpt"]
     assert [x["devices"] for x in ranks] == [["cpu"], ["meta"]]
     for x in ranks:
         assert x["keys"] and x["diff"] == 0.0 and x["buffers"] == 0.0, x
 
 
-def test_fsdp_pretrained_weights_are_read_by_rank0_and_reach_every_rank(tmp_path):
+def test_fsdp_pretrained_weights_are_read_by_rank0_and_reach_every_rank(rank0_builds):
     """model.pretrained under fsdp: rank 0 reads the weights, rank 1 builds the structure on meta (it reads no
     weights) and gets its shards from rank 0; the rotary table (a non-persistent buffer) is the same on both."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64)  # fmt: skip
-    torch.manual_seed(123)  # weights no seed of the run would draw
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    ranks = _rank0_builds(tmp_path, f"model.hf={tmp_path / 'llama'}", "model.pretrained=true", "data.seq_len=32")
+    pytest.importorskip("transformers")
+    ranks = rank0_builds["llama"]
     assert [x["devices"] for x in ranks] == [["cpu"], ["meta"]]
     for x in ranks:
         assert x["keys"] and x["diff"] == 0.0 and x["buffers"] == 0.0, x

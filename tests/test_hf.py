@@ -158,7 +158,7 @@ def test_flops_per_token_counts_as_the_builtin_gpt_does(runs):
         ("gpt2", ["compile.scope=blocks", "compile.blocks=hf.transformer.h"]),
     ],
 )
-def test_compiled_runs_match_eager(name, extra, runs, dirs, tmp_path):
+def test_compiled_runs_match_eager(name, extra, runs, dirs, tmp_path, fresh_dynamo):
     cfg, _, loss = _fit(*_overrides(getattr(dirs, name), tmp_path, dirs, "compile.enabled=true",
                                     "compile.backend=aot_eager", *extra))  # fmt: skip
     eager = runs[name].losses
@@ -332,6 +332,22 @@ def test_an_architecture_without_sdpa_runs_eager_attention_and_says_so(dirs, mon
         build_hf_model(str(dirs.llama), overrides={"pad_token_id": 999})
 
 
+def _two_rank_common(dirs) -> list[str]:
+    """The Llama run of test_two_ranks_reproduce_one_process, but its run.dir and batch size: 4 steps, compiled."""
+    common = [*_overrides(dirs.llama, None, dirs), "train.steps=4", "compile.enabled=true", "compile.backend=aot_eager"]
+    return [o for o in common if not o.startswith(("run.dir=", "train.micro_batch_size="))]
+
+
+@pytest.fixture(scope="module")
+def llama_one_process(dirs, tmp_path_factory):
+    """The reference of both strategies below: one process (this one) x 4 sequences."""
+    one = tmp_path_factory.mktemp("llama-one")
+    torch._dynamo.reset()  # compiled as in a process of its own
+    _fit(*_two_rank_common(dirs), "train.micro_batch_size=4", f"run.dir={one}")
+    torch._dynamo.reset()
+    return one
+
+
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -340,18 +356,13 @@ def test_an_architecture_without_sdpa_runs_eager_attention_and_says_so(dirs, mon
     ],
     ids=["ddp", "fsdp"],
 )
-def test_two_ranks_reproduce_one_process(strategy, dirs, tmp_path):
+def test_two_ranks_reproduce_one_process(strategy, dirs, llama_one_process, tmp_path):
     """2 gloo ranks x 2 sequences against 1 process x 4 (tests/test_distributed.py's harness), compiled: ddp split at
     the bucket plan's blocks, fsdp with a unit per decoder layer."""
     from tests.test_distributed import _params, _torchrun
 
-    common = [*_overrides(dirs.llama, tmp_path, dirs)[:-1], "train.steps=4", "compile.enabled=true",
-              "compile.backend=aot_eager"]  # fmt: skip
-    common = [o for o in common if not o.startswith("train.micro_batch_size")]
-    one, two = tmp_path / "one", tmp_path / "two"
-    r = _torchrun(1, *common, "train.micro_batch_size=4", f"run.dir={one}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = _torchrun(2, *common, "train.micro_batch_size=2", *strategy, f"run.dir={two}")
+    one, two = llama_one_process, tmp_path / "two"
+    r = _torchrun(2, *_two_rank_common(dirs), "train.micro_batch_size=2", *strategy, f"run.dir={two}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "do not follow the bucket plan" not in r.stdout + r.stderr
     a, b = losses(one), losses(two)

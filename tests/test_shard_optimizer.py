@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, losses, metric, run_cli
+from tests.conftest import FAST, ROOT, cli, losses, metric
 from trainer.config import ConfigError, load_config
 from trainer.distributed import zero
 
@@ -22,6 +22,13 @@ OPTIMS = {"adamw": ["optim.lr=3e-3"], "sgd": ["optim.name=sgd", "optim.lr=0.3", 
 SHARDED = ["distributed.strategy=ddp", "distributed.shard_optimizer=true"]
 ONE = ["train.micro_batch_size=8"]  # the global batch: 8 sequences in one process, 4 on each of 2 ranks
 TWO = ["train.micro_batch_size=4"]
+
+
+def _fit_here(capsys, *args):
+    """``trainer fit`` in one process (this one)."""
+    r = cli(capsys, "fit", "configs/tiny.yaml", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
 
 
 def _torchrun(nproc: int, *args, timeout=300):
@@ -39,7 +46,7 @@ def _ckpt(run_dir, step: int):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Lazily made runs, each once per module: ``runs(name)`` -> its run directory."""
+    """Lazily made runs, each once per module: ``runs(name)`` -> its run directory (one process: this one)."""
     made = {}
     recipes = {
         "one-adamw": (1, *OPTIMS["adamw"], *ONE),
@@ -52,8 +59,10 @@ def runs(tmp_path_factory):
         if name not in made:
             nproc, *args = recipes[name]
             made[name] = tmp_path_factory.mktemp(name)
-            r = _torchrun(nproc, *COMMON, *args, f"run.dir={made[name]}")
-            if nproc == 2:
+            if nproc == 1:
+                _fit_here(None, *COMMON, *args, f"run.dir={made[name]}")
+            else:
+                r = _torchrun(nproc, *COMMON, *args, f"run.dir={made[name]}")
                 assert "optimizer state sharded over 2 ranks" in r.stdout + r.stderr
         return made[name]
 
@@ -108,10 +117,11 @@ def test_grad_accum_two_sharded_ranks_reproduce_one_process(runs, tmp_path):
     _same_losses(a, b, a)  # observed 4.8e-7
 
 
-def test_sharded_checkpoint_resumes_in_one_process(runs, tmp_path):
-    """Saved at step 4 by 2 sharded ranks, resumed by one process (no sharding): steps 5-8 as the uninterrupted
-    one-process run's. Wrongly gathered moments would change the next updates."""
-    r = _torchrun(1, *COMMON, *OPTIMS["adamw"], *ONE, f"run.dir={tmp_path}", f"resume={_ckpt(runs('two-adamw'), 4)}")
+def test_sharded_checkpoint_resumes_in_one_process(runs, tmp_path, capsys):
+    """Saved at step 4 by 2 sharded ranks, resumed by one process (this one; no sharding): steps 5-8 as the
+    uninterrupted one-process run's. Wrongly gathered moments would change the next updates."""
+    saved = _ckpt(runs("two-adamw"), 4)
+    r = _fit_here(capsys, *COMMON, *OPTIMS["adamw"], *ONE, f"run.dir={tmp_path}", f"resume={saved}")
     assert "resumed from" in r.stdout + r.stderr
     a, b = losses(runs("one-adamw")), losses(tmp_path)
     assert sorted(b) == [5, 6, 7, 8]
@@ -288,6 +298,6 @@ def test_cudagraphs_refused_and_auto_off_with_the_reason():
     assert blocker(cfg).startswith("distributed.shard_optimizer=true (needs false")
 
 
-def test_cli_exits_2_naming_the_key():
-    r = run_cli("print-config", "configs/tiny.yaml", "distributed.shard_optimizer=true")
+def test_cli_exits_2_naming_the_key(capsys):
+    r = cli(capsys, "print-config", "configs/tiny.yaml", "distributed.shard_optimizer=true")
     assert r.returncode == 2 and "distributed.shard_optimizer" in r.stderr and "Traceback" not in r.stderr
