@@ -107,10 +107,13 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
             kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=pretrained,
         )  # fmt: skip
 
+    def ready(model: nn.Module, say) -> nn.Module:  # checked against the data, then fp8's layers: on the host
+        return _maybe_fp8(check_fits_data(model, cfg, vocab_size, say), cfg, env, say)
+
     if not fsdp:
-        return _maybe_fp8(check_fits_data(build(m.pretrained), cfg, vocab_size, say), cfg, env, say).to(device)
+        return ready(build(m.pretrained), say).to(device)
     if env.rank == 0:
-        return _maybe_fp8(check_fits_data(build(m.pretrained), cfg, vocab_size, say), cfg, env, say)
+        return ready(build(m.pretrained), say)
     try:
         with parameters_on_meta():
             model = build(False)  # the weights are rank 0's to read
@@ -118,7 +121,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
         warnings.warn(f"fsdp: rank {env.rank} could not build the model with its parameters on the meta device "
                       f"({type(e).__name__}: {e}); building it whole", stacklevel=1)  # fmt: skip
         model = build(False)
-    return _maybe_fp8(check_fits_data(model, cfg, vocab_size, None), cfg, env, None)  # rank 0 speaks for all
+    return ready(model, None)  # rank 0 speaks for all
 
 
 def fp8_all_gather(cfg: Config, env) -> bool:
@@ -222,7 +225,7 @@ def describe_run(cfg: Config, env, model: nn.Module, corpus, amp_dtype, tokens_p
     attention = attention_of(model)
     eager = (f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
              "transformers: slower, and it keeps the attention matrix)") if attention == "eager" else ""  # fmt: skip
-    cost = cpu_cost(cfg, model, amp_dtype) if env.device.type == "cpu" else None
+    cost = cpu_cost(cfg, model) if env.device.type == "cpu" else None
     fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if cfg.train.precision == "fp8" else ""
     precision = fp8 + precision_name(amp_dtype)
     return (f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
@@ -231,11 +234,11 @@ def describe_run(cfg: Config, env, model: nn.Module, corpus, amp_dtype, tokens_p
             + (f"\n[yellow]{cost}[/yellow]" if cost else ""))  # fmt: skip
 
 
-def cpu_cost(cfg: Config, model: nn.Module, amp_dtype, quiet_below_s: float = 600) -> str | None:
+def cpu_cost(cfg: Config, model: nn.Module, quiet_below_s: float = 600) -> str | None:
     """What a run on the CPU will cost, when that is more than ``quiet_below_s`` seconds: the FLOPs of one step and
     of one evaluation on this process (the model's ``flops_per_token``, 6 x parameters otherwise; an evaluation is
-    forward only, a third) over the rate a 1024 x 1024 matmul of the run's precision reaches on this CPU, measured
-    here in a tenth of a second. An estimate: larger matmuls run faster than that, the rest of a step slower."""
+    forward only, a third) over the rate a 1024 x 1024 fp32 matmul reaches on this CPU, measured here in a tenth of
+    a second. An estimate: larger matmuls run faster than that, the rest of a step slower."""
     import time
 
     from trainer.models import flops_per_token
@@ -245,8 +248,12 @@ def cpu_cost(cfg: Config, model: nn.Module, amp_dtype, quiet_below_s: float = 60
     step_flops = per_token * t.micro_batch_size * t.grad_accum * seq
     eval_flops = per_token / 3 * t.micro_batch_size * t.eval_batches * seq
     evals = (t.steps // t.eval_every if t.eval_every else 0) + 1  # and one at the end
-    n, dtype = 1024, amp_dtype or torch.float32
-    a = torch.full((n, n), 0.5, dtype=dtype)  # not random: the run's random stream is not to be touched
+    if (step_flops * t.steps + eval_flops * evals) / 1e10 < quiet_below_s:  # short even at 10 GFLOP/s: no need to time
+        return None
+    # fp32 whatever the precision: a CPU's bf16 matmul (AMX) can run several times faster than fp32 (852 against
+    # about 220 GFLOP/s on the 2-core CI machine), but the rest of a step under CPU autocast does not keep pace.
+    n = 1024
+    a = torch.full((n, n), 0.5)  # not random: the run's random stream is not to be touched
     best = float("inf")
     for _ in range(5):  # the first wakes the thread pool
         start = time.perf_counter()
