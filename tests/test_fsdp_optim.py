@@ -84,7 +84,7 @@ def _assert_states_close(name: str, a: list[dict], b: list[dict]) -> None:
             assert float(sa["step"]) == float(sb["step"])
 
 
-@pytest.mark.slow  # 28-38 s on 2 cores: a 1-process and a 2-rank run of trainer fit
+@pytest.mark.slow  # ~8 s alone on 2 cores (10-20 s in the suite): a 2-rank run of trainer fit, the reference
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_fsdp_triton_reproduces_one_process(name, runs):
     """fsdp + optim.impl=triton (clipping every step) on 2 ranks = one process with the same global batch: losses,
@@ -114,7 +114,7 @@ def test_fsdp_triton_reproduces_one_process(name, runs):
     _assert_states_close(name, _optim_states(two, 8), _optim_states(one, 8))
 
 
-@pytest.mark.slow  # ~47 s: the 2-rank run (shared with the test above in one test process), the reference, the resume
+@pytest.mark.slow  # the 2-rank run (shared with the test above in one test process), the reference, the resume
 def test_save_on_two_ranks_resume_on_one(runs, tmp_path, capsys):
     """The 2-rank fsdp run's DCP checkpoint of step 5 (states saved as DTensors: every rank's shards), resumed in
     one process (this one) to step 8: the same losses, parameters and optimizer states as one uninterrupted process."""
@@ -134,7 +134,7 @@ def test_save_on_two_ranks_resume_on_one(runs, tmp_path, capsys):
     _assert_states_close("adamw", _optim_states(tmp_path, 8), _optim_states(one, 8))
 
 
-@pytest.mark.slow  # ~100 s: Inductor compiles the optimizer step in 3 processes on 2 cores
+@pytest.mark.slow  # ~14 s alone on 2 cores (~21 s in the suite): Inductor compiles the step here and on 2 ranks
 def test_fsdp_compiled_optimizer_reproduces_one_process(tmp_path):
     """optim.impl=compiled (Inductor, foreach AdamW with capturable tensors) steps FSDP2's DTensor parameters and
     states: the same losses and parameters as one process (that it stays compiled is checked by the worker test).
@@ -259,7 +259,7 @@ os._exit(0)  # not finalizing the interpreter, where gloo's threads can abort it
 """
 
 
-@pytest.mark.slow  # ~25-33 s: Triton's interpreter and Dynamo on 2 ranks
+@pytest.mark.slow  # ~9 s alone on 2 cores: Triton's interpreter and Dynamo on 2 ranks
 def test_sharded_optimizers_in_a_worker(tmp_path):
     """2 gloo ranks: TritonAdamW and TritonSGD (Nesterov, clipping) on FSDP2 DTensor shards equal the same optimizer
     on whole tensors, write FSDP's own storage, hold DTensor states that torch's optimizer loads; the refusals;

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import FAST, ROOT, losses, run_cli
+from tests.conftest import FAST, ROOT, cli, losses, run_cli
 from trainer.config import ConfigError, load_config
 
 
@@ -32,9 +32,9 @@ def test_cudagraphs_takes_ddp_over_nccl_only():
         )
 
 
-def test_cudagraphs_refusal_is_a_user_error(tmp_path):
+def test_cudagraphs_refusal_is_a_user_error(tmp_path, capsys):
     bad = ["compile.cudagraphs=true", "optim.impl=compiled"]
-    r = run_cli("fit", "configs/tiny.yaml", *FAST, *bad, f"run.dir={tmp_path}")
+    r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, *bad, f"run.dir={tmp_path}")
     assert r.returncode == 2, r.stderr
     assert "compile.cudagraphs: needs optim.impl=" in r.stderr and "Traceback" not in r.stderr
 

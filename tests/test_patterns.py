@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.conftest import FAST, run_cli
+from tests.conftest import FAST, cli
 from trainer.compile.capture import LossOnly
 from trainer.compile.patterns import KERNEL_NAMES, KernelLog, substituting
 
@@ -221,12 +221,13 @@ def test_logits_used_elsewhere_keep_the_plain_loss():
     assert "also used elsewhere" in log.near_misses[0][2]
 
 
-def test_trainer_substitutes_and_reports_kernels(tmp_path):
+def test_trainer_substitutes_and_reports_kernels(tmp_path, capsys):
     """compile.kernels through the trainer: the report names each kernel and the user's file:line."""
     run = tmp_path / "run"
-    r = run_cli("fit", "configs/tiny.yaml", *FAST, "model.preset=null", "model.target=tests.test_patterns:make_nanogpt",
-                "model.kwargs={seq: 32, vocab: 256}", "compile.enabled=true", "compile.backend=aot_eager",
-                "compile.kernels=all", "train.steps=3", f"run.dir={run}")  # fmt: skip
+    r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, "model.preset=null",
+            "model.target=tests.test_patterns:make_nanogpt", "model.kwargs={seq: 32, vocab: 256}",
+            "compile.enabled=true", "compile.backend=aot_eager", "compile.kernels=all", "train.steps=3",
+            f"run.dir={run}")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "kernels substituted where they match: add_layer_norm add_rms_norm cross_entropy" in r.stdout + r.stderr
     kernels = {k["name"]: k for k in json.loads((run / "compile_report.json").read_text())["kernels"]}
@@ -234,8 +235,8 @@ def test_trainer_substitutes_and_reports_kernels(tmp_path):
     assert any("tests/test_patterns.py:" in s for s in kernels["cross_entropy"]["sources"])
 
 
-def test_a_kernel_name_is_checked():
-    r = run_cli("print-config", "configs/tiny.yaml", "compile.kernels=[add_layer_nrm]")
+def test_a_kernel_name_is_checked(capsys):
+    r = cli(capsys, "print-config", "configs/tiny.yaml", "compile.kernels=[add_layer_nrm]")
     assert r.returncode == 2 and "did you mean 'add_layer_norm'" in r.stderr and "Traceback" not in r.stderr
 
 
