@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,26 @@ def cli(capsys, *args, env=None):
         os.environ.update(saved_env)
     out, err = capsys.readouterr() if capsys is not None else ("", "")
     return subprocess.CompletedProcess(["trainer", *args], code, out, err)
+
+
+def shared_run(tmp_path_factory, name: str, make) -> Path:
+    """The directory ``make(directory)`` fills, made once per test session: by whichever pytest-xdist worker asks
+    first, while another that asks waits for it (a module-scoped fixture alone runs once per worker). ``name`` is
+    unique in the session; a ``make`` that raised is tried again by the next test that asks."""
+    import filelock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's own
+    (root / "shared").mkdir(exist_ok=True)
+    run_dir, done = root / "shared" / name, root / "shared" / f"{name}.done"
+    with filelock.FileLock(f"{run_dir}.lock"):
+        if not done.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir()
+            make(run_dir)
+            done.touch()
+    return run_dir
 
 
 def metric(run_dir: Path, key: str) -> dict[int, float]:

@@ -295,14 +295,15 @@ def test_compiled_autograd_needs_a_compiled_forward(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """tests/test_distributed.py's reference: one process (this one), the whole global batch, no checkpointing."""
-    from tests.conftest import cli
+    """tests/test_distributed.py's reference: one process (a test process), the whole global batch, no checkpointing."""
+    from tests.conftest import cli, shared_run
     from tests.test_distributed import COMMON
 
-    one = tmp_path_factory.mktemp("one")
-    r = cli(None, "fit", "configs/tiny.yaml", *COMMON, "train.steps=4", "train.micro_batch_size=8", f"run.dir={one}")
-    assert r.returncode == 0
-    return one
+    def make(one):
+        args = [*COMMON, "train.steps=4", "train.micro_batch_size=8", f"run.dir={one}"]
+        assert cli(None, "fit", "configs/tiny.yaml", *args).returncode == 0
+
+    return shared_run(tmp_path_factory, "activation_checkpointing-one", make)
 
 
 DISTRIBUTED = {

@@ -4,11 +4,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, cli, losses, metric, rank_process
+from tests.conftest import FAST, ROOT, cli, losses, metric, rank_process, shared_run
 
 SHAPE = [f for f in FAST if not f.startswith("train.micro_batch_size")]
 
@@ -21,13 +23,15 @@ def _torchrun(nproc: int, *args, timeout=300):
 
 
 def _params(run_dir, step):
-    """The model's parameters at ``step``: model.pt, or a DCP checkpoint (fsdp) converted to whole tensors."""
+    """The model's parameters at ``step``: model.pt, or a DCP checkpoint (fsdp) converted to whole tensors (in a
+    directory of its own: the run's may be another test's too)."""
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
     if (ckpt / "dcp").is_dir():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        dcp_to_torch_save(ckpt / "dcp", run_dir / "whole.pt")
-        return torch.load(run_dir / "whole.pt", weights_only=False)["model"]
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(ckpt / "dcp", Path(tmp) / "whole.pt")
+            return torch.load(Path(tmp) / "whole.pt", weights_only=False)["model"]
     return torch.load(ckpt / "model.pt", weights_only=True)
 
 
@@ -36,10 +40,13 @@ COMMON = [*SHAPE, "train.steps=8", "log.every=1", "optim.lr=3e-3"]
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The reference: one process (this one), the whole global batch of 8 sequences."""
-    one = tmp_path_factory.mktemp("one")
-    assert cli(None, "fit", "configs/tiny.yaml", *COMMON, "train.micro_batch_size=8", f"run.dir={one}").returncode == 0
-    return one
+    """The reference: one process (a test process), the whole global batch of 8 sequences."""
+
+    def make(one):
+        r = cli(None, "fit", "configs/tiny.yaml", *COMMON, "train.micro_batch_size=8", f"run.dir={one}")
+        assert r.returncode == 0
+
+    return shared_run(tmp_path_factory, "distributed-one", make)
 
 
 # Each variant: 2 ranks x 4 sequences (or 2 micro-batches of 2) = the reference's global batch.
@@ -189,27 +196,30 @@ dist_env.exit_code(0)
 def rank0_builds(tmp_path_factory) -> dict[str, list[dict]]:
     """RANK0_BUILDS on 2 ranks, one launch for the two tests below: ``{case: [rank 0's result, rank 1's]}`` for the
     built-in GPT (``gpt``) and, with transformers installed, a pretrained Llama (``llama``)."""
-    tmp_path = tmp_path_factory.mktemp("rank0_builds")
-    cases = {"gpt": []}
-    try:
-        import transformers
-    except ImportError:
-        transformers = None
-    if transformers is not None:
-        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=64)  # fmt: skip
-        torch.manual_seed(123)  # weights no seed of the run would draw
-        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-        cases["llama"] = [f"model.hf={tmp_path / 'llama'}", "model.pretrained=true", "data.seq_len=32"]
-    script = tmp_path / "rank0_builds.py"
-    script.write_text(RANK0_BUILDS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           str(tmp_path), json.dumps(cases)]  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_worker_env())
-    assert r.returncode == 0, r.stderr[-3000:]
+
+    def make(tmp_path):
+        cases = {"gpt": []}
+        try:
+            import transformers
+        except ImportError:
+            transformers = None
+        if transformers is not None:
+            config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=64)  # fmt: skip
+            torch.manual_seed(123)  # weights no seed of the run would draw
+            transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+            cases["llama"] = [f"model.hf={tmp_path / 'llama'}", "model.pretrained=true", "data.seq_len=32"]
+        script = tmp_path / "rank0_builds.py"
+        script.write_text(RANK0_BUILDS)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+               str(tmp_path), json.dumps(cases)]  # fmt: skip
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_worker_env())
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    tmp_path = shared_run(tmp_path_factory, "distributed-rank0_builds", make)
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
-    return {case: [rank[case] for rank in ranks] for case in cases}
+    return {case: [rank[case] for rank in ranks] for case in ranks[0]}
 
 
 def test_fsdp_rank0_builds_the_model_the_others_get_their_shards(rank0_builds):

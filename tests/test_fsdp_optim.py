@@ -10,11 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, cli, losses, metric
+from tests.conftest import ROOT, cli, losses, metric, shared_run
 from tests.test_distributed import SHAPE, _params, _torchrun, _worker_env
 from tests.test_optim_kernels import DEVICE
 from tests.test_optim_kernels import _params as _tensors
@@ -39,19 +41,17 @@ def _run(nproc: int, run_dir, *args, capsys=None) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``runs(name, nproc)``: the run dir of 8 steps of optimizer ``name`` in one process (this one; the reference,
-    the whole global batch of 8 sequences) or on 2 fsdp ranks (4 each); each run once per test process."""
-    done = {}
+    """``runs(name, nproc)``: the run dir of 8 steps of optimizer ``name`` in one process (a test process; the
+    reference, the whole global batch of 8 sequences) or on 2 fsdp ranks (4 each); each run once per session."""
+
+    def make(name: str, nproc: int, run_dir):
+        if nproc == 1:
+            _run(1, run_dir, *OPTIMIZERS[name], "train.micro_batch_size=8")
+        else:
+            _run(2, run_dir, *OPTIMIZERS[name], "train.micro_batch_size=4", "distributed.strategy=fsdp")
 
     def get(name: str, nproc: int):
-        if (name, nproc) not in done:
-            run_dir = tmp_path_factory.mktemp(f"{name}-{nproc}")
-            if nproc == 1:
-                _run(1, run_dir, *OPTIMIZERS[name], "train.micro_batch_size=8")
-            else:
-                _run(2, run_dir, *OPTIMIZERS[name], "train.micro_batch_size=4", "distributed.strategy=fsdp")
-            done[name, nproc] = run_dir
-        return done[name, nproc]
+        return shared_run(tmp_path_factory, f"fsdp_optim-{name}-{nproc}", lambda d: make(name, nproc, d))
 
     return get
 
@@ -63,8 +63,9 @@ def _optim_states(run_dir, step: int) -> list[dict]:
     if (ckpt / "dcp").is_dir():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        dcp_to_torch_save(ckpt / "dcp", run_dir / "whole_optim.pt")
-        sd = torch.load(run_dir / "whole_optim.pt", weights_only=False)["optim"]
+        with tempfile.TemporaryDirectory() as tmp:  # not in the run's directory: it may be another test's too
+            dcp_to_torch_save(ckpt / "dcp", Path(tmp) / "whole_optim.pt")
+            sd = torch.load(Path(tmp) / "whole_optim.pt", weights_only=False)["optim"]
     else:
         sd = torch.load(ckpt / "optim.pt", weights_only=True)["optimizer"]
     return [sd["state"][k] for g in sd["param_groups"] for k in g["params"]]

@@ -340,12 +340,15 @@ def _two_rank_common(dirs) -> list[str]:
 
 @pytest.fixture(scope="module")
 def llama_one_process(dirs, tmp_path_factory):
-    """The reference of both strategies below: one process (this one) x 4 sequences."""
-    one = tmp_path_factory.mktemp("llama-one")
-    torch._dynamo.reset()  # compiled as in a process of its own
-    _fit(*_two_rank_common(dirs), "train.micro_batch_size=4", f"run.dir={one}")
-    torch._dynamo.reset()
-    return one
+    """The reference of both strategies below: one process (a test process) x 4 sequences."""
+    from tests.conftest import shared_run
+
+    def make(one):
+        torch._dynamo.reset()  # compiled as in a process of its own
+        _fit(*_two_rank_common(dirs), "train.micro_batch_size=4", f"run.dir={one}")
+        torch._dynamo.reset()
+
+    return shared_run(tmp_path_factory, "hf-llama-one", make)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, cli, losses, metric
+from tests.conftest import FAST, ROOT, cli, losses, metric, shared_run
 from trainer.config import ConfigError, load_config
 from trainer.distributed import zero
 
@@ -46,8 +46,7 @@ def _ckpt(run_dir, step: int):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Lazily made runs, each once per module: ``runs(name)`` -> its run directory (one process: this one)."""
-    made = {}
+    """Lazily made runs, each once per session: ``runs(name)`` -> its run directory (one process: a test process)."""
     recipes = {
         "one-adamw": (1, *OPTIMS["adamw"], *ONE),
         "one-sgd": (1, *OPTIMS["sgd"], *ONE),
@@ -55,16 +54,16 @@ def runs(tmp_path_factory):
         "two-sgd": (2, *OPTIMS["sgd"], *TWO, *SHARDED),
     }
 
+    def make(name: str, run_dir):
+        nproc, *args = recipes[name]
+        if nproc == 1:
+            _fit_here(None, *COMMON, *args, f"run.dir={run_dir}")
+        else:
+            r = _torchrun(nproc, *COMMON, *args, f"run.dir={run_dir}")
+            assert "optimizer state sharded over 2 ranks" in r.stdout + r.stderr
+
     def get(name: str):
-        if name not in made:
-            nproc, *args = recipes[name]
-            made[name] = tmp_path_factory.mktemp(name)
-            if nproc == 1:
-                _fit_here(None, *COMMON, *args, f"run.dir={made[name]}")
-            else:
-                r = _torchrun(nproc, *COMMON, *args, f"run.dir={made[name]}")
-                assert "optimizer state sharded over 2 ranks" in r.stdout + r.stderr
-        return made[name]
+        return shared_run(tmp_path_factory, f"shard_optimizer-{name}", lambda d: make(name, d))
 
     return get
 
