@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, cli, losses, metric, rank_process, shared_run
+from tests.conftest import FAST, ROOT, cli, losses, metric, rank_process, shared_run, torchrun
 
 SHAPE = [f for f in FAST if not f.startswith("train.micro_batch_size")]
 
@@ -19,7 +19,7 @@ def _torchrun(nproc: int, *args, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "trainer", "fit", "configs/tiny.yaml", *args]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return torchrun(cmd, timeout=timeout, env=env)
 
 
 def _params(run_dir, step):
@@ -103,7 +103,7 @@ def test_plan_split_and_reduction_inside_the_backward_graph(tmp_path):
     """tests/ddp_worker.py on 2 ranks: buckets, graph pieces, all-reduces in the compiled-autograd graph."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path)]  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_worker_env())
+    r = torchrun(cmd, timeout=300, env=_worker_env())
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -214,7 +214,7 @@ def rank0_builds(tmp_path_factory) -> dict[str, list[dict]]:
         script.write_text(RANK0_BUILDS)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
                str(tmp_path), json.dumps(cases)]  # fmt: skip
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_worker_env())
+        r = torchrun(cmd, timeout=300, env=_worker_env())
         assert r.returncode == 0, r.stderr[-3000:]
 
     tmp_path = shared_run(tmp_path_factory, "distributed-rank0_builds", make)
@@ -332,7 +332,7 @@ def test_nccl_reduces_inductor_gradients_in_place(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path)]  # fmt: skip
     env = _worker_env(DDP_WORKER_DEVICE="cuda")
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    r = torchrun(cmd, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -390,7 +390,7 @@ def test_explain_under_torchrun_prints_the_plan_once(tmp_path):
            "explain", "configs/tiny.yaml", *SHAPE, "compile.backend=aot_eager", "distributed.strategy=ddp",
            "distributed.bucket_mb=0.01", "--steps", "1"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    r = torchrun(cmd, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("bucket plan: 4 buckets") == 1  # head, h.1, h.0, embeddings (2 layers)
     assert "forward graph split into 4 pieces (one per bucket)" in r.stdout

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, rank_process
+from tests.conftest import FAST, ROOT, rank_process, torchrun
 
 SHAPE = [f for f in FAST if not f.startswith(("train.micro_batch_size", "model.n_layer"))] + ["model.n_layer=1"]
 DDP = [*SHAPE, "train.micro_batch_size=2", "distributed.strategy=ddp", "log.every=1", "train.eval_every=0"]
@@ -35,8 +35,7 @@ def _torchrun_cmd(device: str, *args) -> list[str]:
 def _torchrun(device: str, *args, fault: str, timeout=180) -> tuple[subprocess.CompletedProcess, float]:
     """Two ranks with ``TRAINER_FAULT=fault`` (see trainer.checkpoint.fault_point); the result and its seconds."""
     start = time.monotonic()
-    r = subprocess.run(_torchrun_cmd(device, *args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env=_env(TRAINER_FAULT=fault))  # fmt: skip
+    r = torchrun(_torchrun_cmd(device, *args), timeout=timeout, env=_env(TRAINER_FAULT=fault))
     return r, time.monotonic() - start
 
 
@@ -178,7 +177,7 @@ def test_a_hung_rank_fails_the_collective_after_distributed_timeout_s(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "1"]
     start = time.monotonic()
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env(PYTHONPATH=path))
+    r = torchrun(cmd, timeout=120, env=_env(PYTHONPATH=path))
     assert r.returncode == 0, r.stderr[-3000:]
     line = next((x for x in r.stdout.splitlines() if x.startswith("stopped after ")), r.stdout)
     assert "rank 0: a collective waited longer than distributed.timeout_s=1 s" in line, line

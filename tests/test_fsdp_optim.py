@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, cli, losses, metric, shared_run
+from tests.conftest import ROOT, cli, losses, metric, shared_run, torchrun
 from tests.test_distributed import SHAPE, _params, _torchrun, _worker_env
 from tests.test_optim_kernels import DEVICE
 from tests.test_optim_kernels import _params as _tensors
@@ -269,7 +269,7 @@ def test_sharded_optimizers_in_a_worker(tmp_path):
     script.write_text(_WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
            str(tmp_path)]  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_worker_env())
+    r = torchrun(cmd, timeout=300, env=_worker_env())
     assert r.returncode == 0, r.stderr[-3000:]
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert any(res["adamw"]["empty_shard"] for res in results)  # the case where one rank has nothing to update

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import FAST, ROOT, run_cli
+from tests.conftest import FAST, ROOT, run_cli, torchrun
 
 SHAPE = [f for f in FAST if not f.startswith("model.n_layer")] + ["model.n_layer=1", "train.eval_every=0"]
 
@@ -158,7 +158,7 @@ def test_under_torchrun_rank_0_decides_and_reports_once(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer", "fit",
            "configs/tiny.yaml", *SHAPE, "distributed.strategy=ddp", "train.steps=2", f"run.dir={tmp_path}"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    r = torchrun(cmd, timeout=120, env=env)
     assert r.returncode != 0
     assert r.stderr.count(f"run.dir {tmp_path} holds a run (metrics.jsonl up to step 3)") == 1, r.stderr[-3000:]
     assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr

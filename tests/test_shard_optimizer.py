@@ -2,13 +2,12 @@
 process; checkpoints hold the whole state and resume across world sizes, with or without sharding."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, cli, losses, metric, shared_run
+from tests.conftest import FAST, cli, losses, metric, shared_run, torchrun
 from trainer.config import ConfigError, load_config
 from trainer.distributed import zero
 
@@ -35,7 +34,7 @@ def _torchrun(nproc: int, *args, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "trainer", "fit", "configs/tiny.yaml", *args]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    r = torchrun(cmd, timeout=timeout, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
