@@ -137,9 +137,10 @@ def _maybe_fp8(model: nn.Module, cfg: Config, env, say) -> nn.Module:
         return model
     from trainer.precision import fp8
 
-    conversion = fp8.convert(model, cfg.train.fp8_recipe, fsdp_all_gather=fp8_all_gather(cfg, env))
+    all_gather = fp8_all_gather(cfg, env)
+    conversion = fp8.convert(model, cfg.train.fp8_recipe, fsdp_all_gather=all_gather)
     if say is not None:
-        say(conversion.describe() + ("; weights all-gathered in float8" if fp8_all_gather(cfg, env) else ""))
+        say(conversion.describe() + ("; weights all-gathered in float8" if all_gather else ""))
     return model
 
 

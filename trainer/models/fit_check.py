@@ -85,7 +85,7 @@ class _FollowIndices(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         if packet is aten.arange:
-            self._arange(func, args, kwargs, out)
+            self._arange(args, out)
         elif func in _CARRY and isinstance(args[0], torch.Tensor) and args[0] in self.index:
             self._mark(out, self.index[args[0]])
         elif func in _ADD:
@@ -105,7 +105,7 @@ class _FollowIndices(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not t.is_floating_point():
                 self.index[t] = index
 
-    def _arange(self, func, args, kwargs, out) -> None:
+    def _arange(self, args, out) -> None:
         ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
         if len(ints) != len(args) or not ints or out.numel() == 0:
             return  # a tensor or float bound: not a position range

@@ -24,6 +24,7 @@ resumes in fp8 and back.
 
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass, field
 
@@ -54,11 +55,11 @@ class Conversion:
     def describe(self) -> str:
         """One line for the startup output."""
         n = len(self.converted) + len(self.left_out)
-        reasons: dict[str, int] = {}
-        for _, why in self.left_out:
-            reasons[why.split(":")[0]] = reasons.get(why.split(":")[0], 0) + 1
-        kept = "".join(f"; bf16 {k}: {v}" if i == 0 else f"; {k}: {v}" for i, (k, v) in enumerate(reasons.items()))
-        return f"fp8 ({self.recipe}): {len(self.converted)} of {n} linears in float8{kept}"
+        reasons = collections.Counter(why.split(":")[0] for _, why in self.left_out)  # the category before the sizes
+        line = f"fp8 ({self.recipe}): {len(self.converted)} of {n} linears in float8"
+        if reasons:
+            line += "; bf16 " + "; ".join(f"{why}: {count}" for why, count in reasons.items())
+        return line
 
 
 def emulated() -> bool:
@@ -106,17 +107,13 @@ def _torchao():
 def head_names(model: nn.Module) -> set[str]:
     """Module names of the LM head: a Hugging Face model's output embeddings, a linear sharing its weight with an
     ``nn.Embedding``, or a linear as wide as the largest embedding (the token table)."""
-    names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    heads = set()
     hf = getattr(model, "hf", None)
-    out = hf.get_output_embeddings() if hf is not None and hasattr(hf, "get_output_embeddings") else None
+    out = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     widest = max((t.num_embeddings for t in tables), default=None)
     tied = {id(t.weight) for t in tables}
-    for name, m in model.named_modules():
-        if name in names and (m is out or id(m.weight) in tied or m.out_features == widest):
-            heads.add(name)
-    return heads
+    return {name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and (m is out or id(m.weight) in tied or m.out_features == widest)}  # fmt: skip
 
 
 def why_not(name: str, linear: nn.Linear, heads: set[str]) -> str | None:
