@@ -1,7 +1,7 @@
 """The training loop a user writes by hand (nanoGPT's): the baseline of the benchmarks and of scripts/parity.py.
 
 One definition, so that every comparison with ours runs the same model, data, optimizer and step: the model
-built on the CPU after ``torch.manual_seed(seed)`` and moved to the device, the embedded corpus, AdamW (lr 6e-4,
+built on the device after ``torch.manual_seed(seed)`` (as the trainer builds it), the embedded corpus, AdamW (lr 6e-4,
 betas 0.9/0.95, weight decay 0.1 on matrices; fused on CUDA), ``clip_grad_norm_(1.0)``, bf16 autocast on CUDA,
 a constant learning rate.
 """
@@ -22,7 +22,8 @@ def user_model_and_data(preset: str, vocab: int, seq: int, batch: int, device: t
     from trainer.models import build_model
 
     torch.manual_seed(seed)
-    model = build_model(preset=preset, vocab_size=vocab, seq_len=seq, **shape).to(device)
+    with torch.device(device):  # initialized where the trainer initializes a model trained from scratch
+        model = build_model(preset=preset, vocab_size=vocab, seq_len=seq, **shape)
     return model, user_data(seq, batch, device, rank=rank, world_size=world_size, seed=seed)
 
 

@@ -80,8 +80,11 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
     """The model the config describes (the built-in GPT, ``model.target``'s, or the
     Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's), on ``device``.
 
-    Under fsdp on several ranks (``env``) rank 0 builds it on the host and every other rank with its parameters on
-    the meta device; :func:`shard` moves the shards to the device and fills them from rank 0's values.
+    A model trained from scratch on a CUDA device is built on it, where its random initialization takes
+    milliseconds (an 8B model's takes about a minute on the host's single random-number stream); one that does
+    not fit there is built on the host. A pretrained model is loaded on the host and moved.
+    Under fsdp on several ranks (``env``) rank 0 builds it so and every other rank with its parameters on the meta
+    device; :func:`shard` moves the shards to the device and fills them from rank 0's values.
 
     Before it reaches the device, the model is checked against the data (:func:`check_fits_data`); ``say`` gets
     the warning for a vocabulary far larger than the data's.
@@ -107,13 +110,25 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
             kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=pretrained,
         )  # fmt: skip
 
-    def ready(model: nn.Module, say) -> nn.Module:  # checked against the data, then fp8's layers: on the host
+    def whole() -> nn.Module:  # one process's model, or rank 0's
+        if m.pretrained or device.type != "cuda":
+            return build(m.pretrained)
+        try:
+            with torch.device(device):
+                return build(False)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            warnings.warn(f"the model does not fit {device} whole to be initialized there; building it on the host",
+                          stacklevel=1)  # fmt: skip
+            return build(False)
+
+    def ready(model: nn.Module, say) -> nn.Module:  # checked against the data, then fp8's layers
         return _maybe_fp8(check_fits_data(model, cfg, vocab_size, say), cfg, env, say)
 
     if not fsdp:
-        return ready(build(m.pretrained), say).to(device)
+        return ready(whole(), say).to(device)
     if env.rank == 0:
-        return ready(build(m.pretrained), say)
+        return ready(whole(), say)
     try:
         with parameters_on_meta():
             model = build(False)  # the weights are rank 0's to read

@@ -12,10 +12,11 @@ collective, and a small model's step is host-bound (2 H200s, GPT-2 124M: the GPU
 with a unit per block; docs/performance.md). What is not in a block (embeddings,
 final norm, head) stays with the root.
 
-The model is built whole by rank 0 alone, on the host; the other ranks build it with its parameters on the meta
-device (no memory), shard it as rank 0 does, and receive their shards from rank 0's parameters
-(:func:`parameters_on_meta`, :func:`materialize_from_rank0`). Host memory at start is one model's, not one per rank
-(an 8B model is 32 GB in fp32), and every rank starts from the values a single process builds with the same seed.
+The model is built whole by rank 0 alone (on its GPU, where it fits: ``trainer.build.make_model``); the other
+ranks build it with its parameters on the meta device (no memory), shard it as rank 0 does, and receive their
+shards from rank 0's parameters (:func:`parameters_on_meta`, :func:`materialize_from_rank0`). Memory at start is
+one model's, not one per rank (an 8B model is 32 GB in fp32), and every rank starts from the values a single
+process builds with the same seed.
 
 Checkpoints go through ``torch.distributed.checkpoint`` (DCP): each rank writes its shards, and a
 load reshards to whatever the current world size is (or to whole tensors in one process).
