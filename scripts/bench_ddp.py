@@ -152,18 +152,9 @@ def _shape(a) -> dict:
 
 def _worker(a) -> None:
     spec = _spec(a.worker)
-    trace_dir = os.environ.get("BENCH_TRACE")  # rank 0's GPU timeline (kernels only), for scripts/trace_gaps.py
-    if trace_dir and int(os.environ.get("RANK", "0")) == 0:
-        import torch
+    from scripts._meta import gpu_timeline
 
-        acts = [torch.profiler.ProfilerActivity.CUDA]
-        if os.environ.get("BENCH_TRACE_CPU"):  # host events too: trace_gaps.py splits idle into host and device
-            acts.append(torch.profiler.ProfilerActivity.CPU)
-        with torch.profiler.profile(activities=acts) as prof:
-            out = run_user(a, spec) if spec["kind"] == "user" else run_ours(a, spec["overrides"])
-        world = os.environ["WORLD_SIZE"]
-        prof.export_chrome_trace(os.path.join(trace_dir, f"{a.worker}_w{world}.json.gz"))
-    else:
+    with gpu_timeline(f"{a.worker}_w{os.environ.get('WORLD_SIZE', '1')}"):  # BENCH_TRACE: rank 0's timeline
         out = run_user(a, spec) if spec["kind"] == "user" else run_ours(a, spec["overrides"])
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(out), flush=True)

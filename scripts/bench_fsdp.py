@@ -272,7 +272,10 @@ def _worker(a) -> None:
 
         head = {"gpu": torch.cuda.get_device_name(), "matmul_peak_tflops": matmul_peak() / 1e12}
         torch.cuda.empty_cache()
-    out = run_loop(a, job) if job["spec"]["kind"] == "user" else run_ours(a, job)
+    from scripts._meta import gpu_timeline
+
+    with gpu_timeline(a.worker):  # BENCH_TRACE=dir: rank 0's GPU timeline, for scripts/trace_gaps.py
+        out = run_loop(a, job) if job["spec"]["kind"] == "user" else run_ours(a, job)
     if rank0:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         print("RESULT " + json.dumps({**head, **out, "dynamo_graphs": graphs}), flush=True)

@@ -183,13 +183,6 @@ def _spec(variant: str) -> dict:
     return parse_variant(variant, VARIANTS)
 
 
-def _trace_path(trace_dir: str, variant: str) -> str:
-    """Where a variant's GPU timeline goes: its name made file-safe."""
-    name = variant.replace("@", "_at_").replace("=", "-").replace("/", "_").replace(":", "_")
-    os.makedirs(trace_dir, exist_ok=True)
-    return os.path.join(trace_dir, f"{name}.json.gz")
-
-
 def _worker(a) -> None:
     spec = _spec(a.worker)
 
@@ -198,14 +191,9 @@ def _worker(a) -> None:
             return run_user(a, spec["compile"], spec.get("synced", False))
         return run_ours(a, spec["overrides"], a.cache_dir)
 
-    trace_dir = os.environ.get("BENCH_TRACE")  # the GPU timeline (kernels only), for scripts/trace_gaps.py
-    if trace_dir:
-        import torch
+    from scripts._meta import gpu_timeline
 
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            out = run()
-        prof.export_chrome_trace(_trace_path(trace_dir, a.worker))
-    else:
+    with gpu_timeline(a.worker):  # BENCH_TRACE=dir: the GPU timeline, for scripts/trace_gaps.py
         out = run()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -295,12 +283,13 @@ def main() -> None:
 
 
 def _trace(a, variants: list[str], caches: dict) -> None:
+    from scripts._meta import trace_file
     from scripts.trace_gaps import analyse
 
     os.makedirs(a.trace, exist_ok=True)
     for v in variants:
         r = _spawn(a, v, caches[v], trace_dir=a.trace)
-        path = _trace_path(a.trace, v)
+        path = trace_file(a.trace, v)
         print(f"[traced] {v}: {r.get('tokens_per_s', 0) / 1e3:.0f}K tok/s under the profiler", flush=True)
         if os.path.exists(path):
             print(analyse(path, steps=3, step_kernel="adam"), flush=True)
