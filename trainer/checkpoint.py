@@ -67,23 +67,32 @@ _KILL_POINTS = ("checkpoint_write", "after_checkpoint", "kill")
 
 
 def fault_point(point: str, step: int, rank: int = 0) -> bool:
-    """Fault injection for tests: ``TRAINER_FAULT=<point>:<step>[@<rank>]`` fires at ``point`` of step ``step`` (on
-    every rank without ``@<rank>``).
+    """Fault injection for tests: ``TRAINER_FAULT=<point>:<step>[@<rank>][#<restart>]`` fires at ``point`` of step
+    ``step`` (on every rank without ``@<rank>``; with ``#<restart>``, only in that start of a torchrun job,
+    ``TORCHELASTIC_RESTART_COUNT``, 0 for the first: a fault that torchrun's restart does not meet again).
 
     Points: ``checkpoint_write`` (between two files of a checkpoint), ``after_checkpoint`` and ``kill`` (a step
-    launched) SIGKILL this process; ``raise`` (a step launched) raises a RuntimeError; ``nan_loss`` (the step's
-    loss, as read for the checks) and ``disk_full`` (this rank's last checkpoint file fails with ENOSPC) return
-    True for the caller to act on. Returns False everywhere else.
+    launched) SIGKILL this process; ``sigterm`` (a step launched) sends SIGTERM to torchrun's launcher, which passes
+    it to every rank, as a scheduler stopping the job does (outside torchrun, to this process); ``raise`` (a step
+    launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks) and ``disk_full`` (this
+    rank's last checkpoint file fails with ENOSPC) return True for the caller to act on. Returns False everywhere
+    else.
     """
     spec = os.environ.get("TRAINER_FAULT")
     if not spec:
         return False
     name, _, where = spec.partition(":")
+    where, _, at_restart = where.partition("#")
     at_step, _, at_rank = where.partition("@")
     if name != point or at_step != str(step) or (at_rank and at_rank != str(rank)):
         return False
+    if at_restart and at_restart != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
+        return False
     if point in _KILL_POINTS:
         os.kill(os.getpid(), signal.SIGKILL)
+    if point == "sigterm":
+        os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGTERM)
+        return False
     if point == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (TRAINER_FAULT={spec})")
     return True
@@ -411,6 +420,7 @@ class Checkpointer:
         self.cfg, self.env, self.model, self.opt, self.sched, self.scaler = cfg, env, model, opt, sched, scaler
         self.batches = batches
         self.last: Path | None = None  # the newest checkpoint this process wrote
+        self.resumed: Path | None = None  # the checkpoint this run resumed from
 
     def save(self, step: int, tokens_seen: int) -> Path:
         """Write the checkpoint of ``step`` (every rank calls this) and move ``last`` to it."""
@@ -440,8 +450,22 @@ class Checkpointer:
         )  # fmt: skip
         return self.last
 
-    def restore(self, spec: str) -> tuple[int, int]:
-        """Load ``resume=spec`` (``last`` or a path) into the run; returns ``(step, tokens_seen)``.
+    def begin(self, start) -> tuple[int, int]:
+        """Start the run as ``start`` (a :class:`trainer.rundir.Start`) says: restore its checkpoint, or none; say
+        how it started in one line (a resume, or a fresh start under ``resume=auto`` or a torchrun restart) and
+        record it in ``starts.jsonl`` (rank 0). Returns ``(step, tokens_seen)``."""
+        from trainer import rundir
+
+        step, tokens = self.restore(start.resume, start.headline()) if start.resume else (0, 0)
+        if self.env.is_main:
+            if start.resume is None and (line := start.fresh_line(self.root.parent)):
+                print(line, flush=True)
+            rundir.record_start(self.root.parent, start, step, self.resumed, self.env.world_size)
+        return step, tokens
+
+    def restore(self, spec: str, headline: str = "resumed from {path} at step {step}") -> tuple[int, int]:
+        """Load ``resume=spec`` (``last`` or a path) into the run; returns ``(step, tokens_seen)``. ``headline``:
+        the line rank 0 prints first, a template of ``{path}`` and ``{step}``.
 
         The schedule follows the current config (its lambdas are not in the checkpoint), so a changed ``optim.lr``
         or ``train.steps`` takes effect; unchanged, the learning rate continues exactly.
@@ -475,8 +499,9 @@ class Checkpointer:
             set_rng_state(state["rng"], self.env.device)
         # The compile bundle is generated code: loaded only from this run's own directory.
         cached = (self.cfg.compile.enabled or self.cfg.compile.autograd) and self._load_compile_cache()
+        self.resumed = path
         if self.env.is_main:
-            print(f"resumed from {path} at step {meta['step']}", flush=True)
+            print(headline.format(path=path, step=meta["step"]), flush=True)
             if cached:
                 print("loaded the compile cache saved with the checkpoints", flush=True)
             for line in changes:

@@ -18,6 +18,7 @@ USAGE_EXAMPLES = """examples:
   trainer fit configs/tiny.yaml optim.lr=3e-4 train.steps=500
   trainer fit configs/tiny.yaml resume=last
   torchrun --nproc-per-node 2 -m trainer fit configs/gpt2-small-ddp.yaml
+  torchrun --nproc-per-node 2 --max-restarts 3 -m trainer fit configs/gpt2-small-ddp.yaml resume=auto
   trainer print-config configs/tiny.yaml
   trainer plot runs/tiny runs/tiny-lr3e-4
   trainer prepare --out data/stdlib-bpe
@@ -45,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    over = "key=value overrides (later wins), e.g. optim.lr=3e-4; resume=last|PATH resumes (fit only)"
+    over = ("key=value overrides (later wins), e.g. optim.lr=3e-4; resume=last|PATH resumes, resume=auto resumes "
+            "if there is a checkpoint (fit only)")  # fmt: skip
     f = sub.add_parser("fit", help="train from a config")
     f.add_argument("config", help="YAML config file")
     f.add_argument("overrides", nargs="*", help=over)
@@ -90,12 +92,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _split_resume(overrides: list[str]) -> tuple[list[str], str | None]:
+    """The overrides without ``resume=...``, and its value (the last one given; None without one): ``last``,
+    ``auto`` or a path.
+
+    Raises:
+        ValueError: ``resume=`` without a value.
+    """
     resume, rest = None, []
     for item in overrides:
         if item.startswith("resume="):
             resume = item.partition("=")[2]
             if not resume:
-                raise ValueError("resume: expected resume=last or resume=PATH")
+                raise ValueError(
+                    f"resume: expected resume=last, resume=auto or resume=PATH (in argument '{item}'); auto resumes "
+                    "from the run directory's last checkpoint if it has one and otherwise starts fresh"
+                )
         else:
             rest.append(item)
     return rest, resume

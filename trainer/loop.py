@@ -33,7 +33,7 @@ class Trainer:
 
     Args:
         cfg: the validated config (see :func:`trainer.load_config`).
-        resume: ``"last"``, a checkpoint path, or None for a fresh run.
+        resume: ``"last"``, a checkpoint path, ``"auto"`` (run.dir's last checkpoint, if any), or None (fresh).
     """
 
     def __init__(self, cfg: Config, resume: str | None = None):
@@ -47,13 +47,14 @@ class Trainer:
         env = dist_env.setup(self.cfg.train.device, dist.backend, dist.timeout_s)
         # The run directory held (refused if it holds another run), stop signals caught, a lost rank named.
         claim = rundir.claim(Path(run.dir), resume=self.resume, overwrite=run.overwrite, env=env)
+        lost = dist_env.lost_rank_stops(env, dist.timeout_s, TrainingError)
         try:
-            with claim, dist_env.StopSignals() as signals, dist_env.lost_rank_stops(env, dist.timeout_s, TrainingError):
-                return self._fit(env, signals)
+            with claim as start, dist_env.StopSignals() as signals, lost:
+                return self._fit(env, signals, start)
         finally:
             dist_env.teardown(env, failed=sys.exc_info()[0] is not None)  # an exception on its way out
 
-    def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals) -> dict:
+    def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
         device, say = env.device, (lambda m: print(m, flush=True)) if env.is_main else None
         cfg, why = build.resolve_auto(self.cfg, device)  # compile.enabled/cudagraphs=auto: the fastest path here
         run_dir = Path(cfg.run.dir)
@@ -79,8 +80,7 @@ class Trainer:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
         scaler = build.grad_scaler(amp_dtype, device)
         ckpts = Checkpointer(run_dir, cfg, env, raw_model, opt, sched, scaler, batches)
-        step, tokens = ckpts.restore(self.resume) if self.resume else (0, 0)
-
+        step, tokens = ckpts.begin(start)  # resumed (resume=auto: if there is a checkpoint), or fresh at 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
                           tensorboard=cfg.log.tensorboard, start_step=step)  # fmt: skip

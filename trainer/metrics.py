@@ -128,8 +128,10 @@ class Metrics:
             return
         dropped = drop_rows_after(run_dir / "metrics.jsonl", start_step)
         if dropped:
+            why = ("written after the checkpoint it resumes from" if start_step else
+                   "written by an earlier start that stopped before its first checkpoint")  # fmt: skip
             self.print(f"[yellow]metrics.jsonl: dropped {dropped} past step {start_step}, where this run "
-                       "continues (written after the checkpoint it resumes from)[/yellow]")  # fmt: skip
+                       f"continues ({why})[/yellow]")  # fmt: skip
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: a crash loses nothing
         if tensorboard:
             try:
@@ -332,6 +334,7 @@ class StepLog:
         self.write(self.read())
         rank, loss = self.env.rank, out.loss
         fault_point("kill", step, rank)  # tests: this rank is lost here
+        fault_point("sigterm", step, rank)  # tests: the job is stopped here (preempted)
         fault_point("raise", step, rank)  # tests: this rank fails here
         if fault_point("nan_loss", step, rank):  # tests: this rank's loss is not finite
             loss = loss * float("nan")

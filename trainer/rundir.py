@@ -11,6 +11,22 @@
   process is gone (same host: the pid has exited, was reused, or the host rebooted) is taken over with a note; a
   lock from another host cannot be checked from here and is respected (the message says how to remove it).
 - The lock is removed when the run ends, also on an error; a SIGKILLed run leaves it stale for the next to take.
+
+``resume=auto`` (the same command for the first start, torchrun's restarts and a requeued job) is decided here too,
+by rank 0, before any rank reads a checkpoint; every rank gets its answer as a :class:`Start`:
+
+- ``checkpoints/last`` names a checkpoint: the run resumes from it (the path is fixed here, so every rank loads
+  the same one).
+- No checkpoint, and no run (an empty or new directory): the run starts fresh.
+- No checkpoint, and a run that keeps checkpoints (its ``config.yaml`` has ``checkpoint.enabled: true``): that run
+  stopped before its first save (a run saves at its end and on a stop signal), so nothing of it can be continued;
+  it is this run's earlier start, killed, and the run starts again from step 0 in place. Its ``metrics.jsonl`` rows
+  are dropped with a note, as a resume drops the rows past its checkpoint; its compile cache is reused.
+- No checkpoint, and a run that keeps none (``checkpoint.enabled: false``, or no readable ``config.yaml``): its
+  metrics are all it left, so it is refused as a fresh run would be (``run.overwrite=true`` moves it aside).
+
+Each start appends one line to ``<run.dir>/starts.jsonl``: when, how (fresh, or the checkpoint and step resumed
+from), torchrun's restart count, the world size.
 """
 
 from __future__ import annotations
@@ -23,11 +39,14 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.distributed.env import DistEnv, every_rank, pid_alive
+from trainer.distributed.env import DistEnv, every_rank, pid_alive, restart_warning
 
 LOCK = ".lock"
+STARTS = "starts.jsonl"
+AUTO = "auto"
 _HELD: set[str] = set()  # the locks this process holds (absolute paths): a fit inside a fit in one directory
 
 
@@ -46,11 +65,54 @@ def _note(message: str) -> None:
     print(f"note: {message}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class Start:
+    """How a run starts in its directory, as rank 0 decided it (every rank holds the same).
+
+    Attributes:
+        resume: what to load: ``last`` or a path as given, the checkpoint ``resume=auto`` found, or None (fresh).
+        asked: the command line's ``resume=`` (``auto``, ``last``, a path), or None.
+        restart: torchrun's restart count of this job (``TORCHELASTIC_RESTART_COUNT``, 0 for its first start), None
+            outside torchrun; ``max_restarts``: its ``--max-restarts``.
+        again: ``resume=auto`` starts again from step 0 over an earlier start that saved no checkpoint.
+    """
+
+    resume: str | None
+    asked: str | None = None
+    restart: int | None = None
+    max_restarts: int | None = None
+    again: bool = False
+
+    def _restarted(self) -> str:
+        return f" (torchrun restart {self.restart} of at most {self.max_restarts})" if self.restart else ""
+
+    def headline(self) -> str:
+        """The startup line of a resume, a template of ``{path}`` and ``{step}``."""
+        auto = f"{AUTO}: " if self.asked == AUTO else ""
+        return f"resume={auto}resumed from {{path}} at step {{step}}{self._restarted()}"
+
+    def fresh_line(self, run_dir: Path) -> str | None:
+        """The startup line of a fresh start under ``resume=auto`` or a torchrun restart; None for a plain one."""
+        restarted = self._restarted()
+        if self.asked == AUTO:
+            again = " (an earlier start here stopped before its first checkpoint)" if self.again else ""
+            where = run_dir / "checkpoints"
+            return f"resume=auto: no complete checkpoint in {where}; starting fresh at step 0{again}{restarted}"
+        return f"starting fresh at step 0{restarted}" if restarted else None
+
+
+def torchrun_restart() -> tuple[int | None, int | None]:
+    """torchrun's restart count of this job and its ``--max-restarts`` (None, None outside torchrun)."""
+    count, most = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    return (int(count) if count and count.isdigit() else None), (int(most) if most and most.isdigit() else None)
+
+
 @contextlib.contextmanager
 def claim(run_dir: Path, *, resume: str | None, overwrite: bool, env: DistEnv,
-          say: Callable[[str], None] = _note) -> Iterator[None]:  # fmt: skip
+          say: Callable[[str], None] = _note) -> Iterator[Start]:  # fmt: skip
     """Hold ``run_dir`` for the run inside the ``with``: refuse it if it holds another run (unless ``resume``, or
-    ``overwrite``: then move that run aside), lock it against a second live run, unlock on the way out.
+    ``overwrite``: then move that run aside), lock it against a second live run, unlock on the way out. Yields how
+    the run starts (``resume=auto`` decided: see the module's docstring).
 
     Every rank calls this (rank 0 decides, the others wait for its answer: a collective under torchrun).
 
@@ -58,34 +120,50 @@ def claim(run_dir: Path, *, resume: str | None, overwrite: bool, env: DistEnv,
         RunDirError: on every rank: a live run holds the directory, or it holds a run that a fresh run would
             overwrite (``run.overwrite=false``).
     """
-    lock, refused = None, None
+    lock, refused, start = None, None, None
     if env.is_main:
+        if warning := restart_warning():
+            say(warning)
         try:
-            lock = _claim(Path(run_dir), resume, overwrite, say)
+            lock, start = _claim(Path(run_dir), resume, overwrite, say)
         except (RunDirError, OSError) as e:  # OSError: run.dir cannot be created or read
             error = e if isinstance(e, RunDirError) else RunDirError(f"run.dir {run_dir}: {e}")
             if not env.distributed:
                 raise error from None
             refused = str(error)
-    if env.distributed and (refused := every_rank(refused, env)[0]):
-        raise RunDirError(refused, all_ranks=True)
+    if env.distributed:
+        refused, start = every_rank((refused, start), env)[0]
+        if refused:
+            raise RunDirError(refused, all_ranks=True)
     try:
-        yield
+        yield start
     finally:
         if lock is not None:
             lock.release()
 
 
-def _claim(run_dir: Path, resume: str | None, overwrite: bool, say: Callable[[str], None]) -> RunLock:
+def _claim(run_dir: Path, resume: str | None, overwrite: bool, say: Callable[[str], None]) -> tuple[RunLock, Start]:
     run_dir = Path(os.path.abspath(run_dir))
     lock = RunLock(run_dir / LOCK)
     lock.check()  # before anything is written: a live run holds the directory
     old = describe(run_dir)
+    start = Start(resume, resume, *torchrun_restart())
+    if resume == AUTO:
+        start = _decide_auto(run_dir, old, start)
+        old = None if start.again else old  # an earlier start that saved no checkpoint: started again in place
+        resume = start.resume
     if old and not resume and not overwrite:
+        if start.asked == AUTO:
+            raise RunDirError(
+                f"run.dir {run_dir} holds a run ({old}) that keeps no checkpoints (checkpoint.enabled=false in its "
+                "config.yaml, or no config.yaml), so resume=auto cannot continue it, and a fresh run would write "
+                f"over its history. Start elsewhere with run.dir=<another directory>, or set run.overwrite=true to "
+                f"move it aside to {_aside(run_dir)} and start afresh here."
+            )
         raise RunDirError(
             f"run.dir {run_dir} holds a run ({old}); a fresh run would write over its history. Continue it with "
-            f"resume=last, start elsewhere with run.dir=<another directory>, or set run.overwrite=true to move it "
-            f"aside to {_aside(run_dir)} and start afresh here."
+            f"resume=last (or resume=auto), start elsewhere with run.dir=<another directory>, or set "
+            f"run.overwrite=true to move it aside to {_aside(run_dir)} and start afresh here."
         )
     lock.made_dir = not run_dir.exists()  # removed again if the run leaves it empty (refused by a later check)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -101,7 +179,43 @@ def _claim(run_dir: Path, resume: str | None, overwrite: bool, say: Callable[[st
             lock.release()
             raise
         say(f"run.overwrite=true: moved the old run in {run_dir} ({old}) aside to {aside}; nothing was deleted")
-    return lock
+    return lock, start
+
+
+def _decide_auto(run_dir: Path, old: str | None, start: Start) -> Start:
+    """``resume=auto``: the checkpoint ``checkpoints/last`` names, else a fresh start (``again`` over an earlier
+    start of a run that keeps checkpoints but saved none)."""
+    pointer = run_dir / "checkpoints" / "last"
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        return Start(str(pointer.parent / name), AUTO, start.restart, start.max_restarts)
+    fresh = Start(None, AUTO, start.restart, start.max_restarts)
+    if old is None or not _keeps_checkpoints(run_dir / "config.yaml"):
+        return fresh
+    return Start(None, AUTO, start.restart, start.max_restarts, again=True)
+
+
+def _keeps_checkpoints(config: Path) -> bool:
+    """Whether the run whose resolved config is ``config`` saves checkpoints (False when it cannot be read)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(config.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    section = cfg.get("checkpoint") if isinstance(cfg, dict) else None
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
+def record_start(run_dir: Path, start: Start, step: int, checkpoint: Path | None, world_size: int) -> None:
+    """Append this start to ``<run_dir>/starts.jsonl`` (rank 0): when, fresh or resumed (the checkpoint and its
+    step), ``resume=`` as asked, torchrun's restart count, the world size, the host and pid."""
+    row = {"started": _now(), "step": step, "checkpoint": str(checkpoint) if checkpoint else None,
+           "resume": start.asked, "again": start.again, "restart": start.restart,
+           "max_restarts": start.max_restarts, "world_size": world_size, "host": socket.gethostname(),
+           "pid": os.getpid()}  # fmt: skip
+    with open(run_dir / STARTS, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _aside(run_dir: Path) -> Path:

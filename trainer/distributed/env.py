@@ -116,12 +116,53 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float | None =
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        if (store := _restart_store(rank, world, kwargs.get("timeout"))) is not None:
+            kwargs.update(store=store, rank=rank, world_size=world)
         dist.init_process_group(backend=backend, **kwargs)
     global _GLOO_USED
     _GLOO_USED = _GLOO_USED or backend == "gloo"
     env = DistEnv(rank=rank, local_rank=local_rank, world_size=world, device=dev, backend=backend)
     env.peers = [tuple(p) for p in every_rank((socket.gethostname(), os.getpid()), env)]
     return env
+
+
+def _restart_store(rank: int, world: int, timeout: datetime.timedelta | None):
+    """For a torchrun restart of a one-node job, the store torchrun's agent keeps for its workers, with this start's
+    keys apart from the previous start's; None otherwise (``init_process_group`` then finds the store itself).
+
+    torchrun keeps one store for every start of a job (``TORCHELASTIC_USE_AGENT_STORE=True``, its default), and the
+    process group of a restarted worker reads what the previous start wrote there under the same keys: the old
+    peers' addresses (gloo: "connectFullMesh failed ... Connection refused"), NCCL's old unique id
+    (https://github.com/pytorch/pytorch/issues/135712; torch 2.11 and 2.13 still reuse the store). Prefixed by the
+    restart count, the keys are this start's. On one node every worker has the same count; the agents of several
+    nodes can count differently, so there the launch needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a new store per
+    start, docs/operations.md). Remove once torchrun gives each restart a store of its own (the restart test of
+    tests/test_restarts.py then passes without this).
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not agent_store or restart == "0" or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout or default_pg_timeout))
+    return dist.PrefixStore(f"trainer/restart_{restart}", store)
+
+
+def restart_warning() -> str | None:
+    """A warning for a torchrun job of several nodes whose restarts would reuse torchrun's store (see
+    :func:`_restart_store`); None when restarts need nothing more."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE", "1") == "1":
+        return None
+    if env.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+        return None
+    return (
+        f"torchrun --max-restarts {env['TORCHELASTIC_MAX_RESTARTS']} on {env['GROUP_WORLD_SIZE']} nodes: a restart "
+        "would find the previous start's process-group keys in torchrun's shared store and fail to connect "
+        "(https://github.com/pytorch/pytorch/issues/135712); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "(docs/operations.md)"
+    )
 
 
 def teardown(env: DistEnv, failed: bool = False) -> None:

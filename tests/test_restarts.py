@@ -1,0 +1,228 @@
+"""Runs that outlive their faults: ``resume=auto``, torchrun's restarts (``--max-restarts``) and a job stopped by
+SIGTERM then started again with the same command, on 2 gloo ranks against an uninterrupted run; what resume=auto
+decides in a run directory; the startup line and ``starts.jsonl`` that say it."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import FAST, cli, shared_run, torchrun
+from trainer import rundir
+from trainer.checkpoint import fault_point
+from trainer.distributed.env import DistEnv, restart_warning
+
+SHAPE = [f for f in FAST if not f.startswith(("train.micro_batch_size", "model.n_layer"))] + ["model.n_layer=1"]
+# 30 steps of 2 ranks, a checkpoint every 10, every step logged: the steps of a restarted run are compared one by one.
+RUN = [*SHAPE, "train.micro_batch_size=2", "distributed.strategy=ddp", "log.every=1", "train.eval_every=0",
+       "train.steps=30", "checkpoint.every=10", "resume=auto"]  # fmt: skip
+
+
+def _env(**extra: str) -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _job(run_dir, *, restarts: int = 1, fault: str | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --max-restarts N`` of 2 ranks with ``RUN`` into ``run_dir``; ``fault``: ``TRAINER_FAULT``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--max-restarts={restarts}", "-m", "trainer", "fit", "configs/tiny.yaml", *RUN,
+           f"run.dir={run_dir}"]  # fmt: skip
+    return torchrun(cmd, timeout=180, env=_env(**({"TRAINER_FAULT": fault} if fault else {})))
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _starts(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "starts.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 2-rank run: ``{step: (loss, grad_norm)}``."""
+
+    def make(run_dir):
+        r = _job(run_dir)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    run_dir = shared_run(tmp_path_factory, "restarts-reference", make)
+    return {row["step"]: (row["loss"], row["grad_norm"]) for row in _rows(run_dir)}
+
+
+def _same_run(run_dir, reference) -> None:
+    """Steps 1..30 logged once each, every loss and gradient norm equal to the uninterrupted run's, bit for bit:
+    the restored state and the batches from (seed, step) continue exactly (observed: equal floats, no tolerance)."""
+    rows = _rows(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, 31))
+    got = {row["step"]: (row["loss"], row["grad_norm"]) for row in rows}
+    assert got == reference, [(s, got[s], reference[s]) for s in reference if got.get(s) != reference[s]]
+
+
+def test_a_rank_killed_under_torchrun_restarts_resumes_and_ends_as_an_uninterrupted_run(tmp_path, reference):
+    """``torchrun --max-restarts 1``: rank 0 SIGKILLed at step 15 of the first start (after the checkpoint of step
+    10). torchrun restarts both ranks; resume=auto continues from step 10 and the job exits 0 with the uninterrupted
+    run's losses. The killed rank 0 left its lock behind, which the restart takes over; the restart's process group
+    is set up in torchrun's store, which still holds the first start's keys (trainer.distributed.env._restart_store).
+    (A lost rank 1 ends rank 0 with an error, which releases the lock: tests/test_faults.py.)"""
+    r = _job(tmp_path, fault="kill:15@0#0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("resume=auto: ")]
+    assert lines == [
+        f"resume=auto: no complete checkpoint in {tmp_path / 'checkpoints'}; starting fresh at step 0",
+        f"resume=auto: resumed from {tmp_path / 'checkpoints' / 'step_000010'} at step 10 (torchrun restart 1 of "
+        "at most 1)",
+    ], r.stdout
+    assert "metrics.jsonl: dropped 4 rows (steps 11-14) past step 10" in r.stderr
+    assert "was left by a run that is no longer running" in r.stderr
+    _same_run(tmp_path, reference)
+    starts = _starts(tmp_path)
+    got = [(s["restart"], s["max_restarts"], s["step"], s["resume"]) for s in starts]
+    assert got == [(0, 1, 0, "auto"), (1, 1, 10, "auto")]
+    assert starts[1]["checkpoint"] == str(tmp_path / "checkpoints" / "step_000010")
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_stopped_job_started_again_with_the_same_command_ends_as_an_uninterrupted_run(tmp_path, reference):
+    """Preemption: at step 12 the job's launcher gets SIGTERM (as a scheduler sends it); every rank finishes its
+    step and saves; torchrun exits with the signal. The same command again resumes there and finishes as the
+    uninterrupted run."""
+    first = _job(tmp_path, fault="sigterm:12@0#0")
+    assert first.returncode != 0  # torchrun itself ends by the signal, once its ranks have saved and exited
+    assert "stopped by signal at step " in first.stderr, first.stderr[-3000:]
+    stopped = json.loads((tmp_path / "checkpoints" / (tmp_path / "checkpoints/last").read_text().strip() /
+                          "meta.json").read_text())["step"]  # fmt: skip
+    assert 12 <= stopped < 30 and _rows(tmp_path)[-1]["step"] == stopped
+    again = _job(tmp_path, fault="sigterm:12@0#0")  # the same command, fault included: step 12 is not run again
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = f"resume=auto: resumed from {tmp_path / 'checkpoints'}/step_{stopped:06d} at step {stopped}\n"
+    assert resumed in again.stdout, again.stdout
+    _same_run(tmp_path, reference)
+    assert [(s["step"], s["restart"]) for s in _starts(tmp_path)] == [(0, 0), (stopped, 0)]
+
+
+ONE = [*SHAPE, "train.eval_every=0", "checkpoint.every=5", "resume=auto"]
+
+
+def _fit(capsys, run_dir, *extra):
+    return cli(capsys, "fit", "configs/tiny.yaml", *ONE, f"run.dir={run_dir}", *extra)
+
+
+def test_resume_auto_starts_fresh_in_an_empty_directory_and_resumes_from_a_checkpoint(tmp_path, capsys):
+    """One process: the same command twice. The first start says it starts fresh, the second that it resumes (one
+    line each); starts.jsonl records both."""
+    r = _fit(capsys, tmp_path, "train.steps=7")
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stdout.splitlines() if line.startswith(("resume", "starting", "resumed"))]
+    assert said == [f"resume=auto: no complete checkpoint in {tmp_path / 'checkpoints'}; starting fresh at step 0"]
+    r = _fit(capsys, tmp_path, "train.steps=12")
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stdout.splitlines() if line.startswith(("resume", "starting", "resumed"))]
+    assert said == [f"resume=auto: resumed from {tmp_path / 'checkpoints' / 'step_000007'} at step 7"]
+    assert [row["step"] for row in _rows(tmp_path)] == [1, 5, 7, 8, 10, 12]
+    starts = _starts(tmp_path)
+    got = [(s["step"], s["resume"], s["restart"], s["world_size"]) for s in starts]
+    assert got == [(0, "auto", None, 1), (7, "auto", None, 1)]
+
+
+def test_resume_auto_starts_again_over_a_start_that_saved_no_checkpoint(tmp_path, capsys):
+    """A run killed before its first checkpoint (its config keeps checkpoints) is started again from step 0 in place,
+    its rows dropped with a note; a run that keeps no checkpoints is refused as a fresh run would be."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": 5.4}\n')
+    (tmp_path / "config.yaml").write_text("checkpoint:\n  enabled: true\n  every: 5\n")
+    r = _fit(capsys, tmp_path, "train.steps=3")
+    assert r.returncode == 0, r.stderr
+    assert "starting fresh at step 0 (an earlier start here stopped before its first checkpoint)" in r.stdout, r.stdout
+    assert (
+        "metrics.jsonl: dropped 2 rows (steps 1-2) past step 0, where this run continues (written by an earlier "
+        "start that stopped before its first checkpoint)" in r.stderr
+    ), r.stderr
+    assert [row["step"] for row in _rows(tmp_path)] == [1, 3]
+    assert _starts(tmp_path)[0]["again"] is True
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "metrics.jsonl").write_text('{"step": 9, "loss": 5.0}\n')
+    (kept / "config.yaml").write_text("checkpoint:\n  enabled: false\n")
+    r = _fit(capsys, kept, "train.steps=3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"run.dir {kept} holds a run (metrics.jsonl up to step 9) that keeps no checkpoints" in r.stderr
+    assert "resume=auto cannot continue it" in r.stderr and "run.overwrite=true" in r.stderr
+    assert (kept / "metrics.jsonl").read_text() == '{"step": 9, "loss": 5.0}\n'
+
+
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+
+
+def _claim(run_dir, resume="auto", overwrite=False) -> rundir.Start:
+    notes = []
+    with rundir.claim(run_dir, resume=resume, overwrite=overwrite, env=ENV, say=notes.append) as start:
+        assert (run_dir / ".lock").exists()
+    return start
+
+
+def test_claim_decides_resume_auto_from_the_last_pointer(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert _claim(tmp_path / "new") == rundir.Start(None, "auto")
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step_000020").mkdir(parents=True)
+    (ckpts / "step_000010").mkdir()
+    (ckpts / "last").write_text("step_000010\n")  # the newest complete one: step 20 was never published
+    assert _claim(tmp_path / "run") == rundir.Start(str(ckpts / "step_000010"), "auto")
+    assert _claim(tmp_path / "run", resume="last") == rundir.Start("last", "last")  # restore resolves it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    start = _claim(tmp_path / "run")
+    assert (start.restart, start.max_restarts) == (2, 3)
+    assert start.headline().format(path="P", step=10) == "resume=auto: resumed from P at step 10 (torchrun restart 2 " \
+        "of at most 3)"  # fmt: skip
+
+
+def test_resume_auto_keeps_the_lock(tmp_path):
+    """A live run's lock refuses resume=auto too."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tmp_path.joinpath(".lock").write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname()}))
+        with pytest.raises(rundir.RunDirError, match=f"is in use by a live run \\(pid {sleeper.pid} "):
+            _claim(tmp_path)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_the_resume_argument(capsys):
+    from trainer.cli import _split_resume
+
+    assert _split_resume(["optim.lr=1", "resume=auto", "train.steps=3"]) == (["optim.lr=1", "train.steps=3"], "auto")
+    assert _split_resume(["resume=last", "resume=runs/x"]) == ([], "runs/x")  # the last one wins, as for overrides
+    r = cli(capsys, "fit", "configs/tiny.yaml", "resume=")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "resume: expected resume=last, resume=auto or resume=PATH (in argument 'resume=')" in r.stderr
+    r = cli(capsys, "explain", "configs/tiny.yaml", "resume=auto")
+    assert r.returncode == 2 and "resume: not supported by explain" in r.stderr
+
+
+def test_a_fault_can_be_limited_to_one_start_of_a_torchrun_job(monkeypatch):
+    monkeypatch.setenv("TRAINER_FAULT", "nan_loss:3@1#0")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert fault_point("nan_loss", 3, 1) and not fault_point("nan_loss", 3, 0) and not fault_point("nan_loss", 4, 1)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not fault_point("nan_loss", 3, 1)  # the restart does not meet it again
+    monkeypatch.setenv("TRAINER_FAULT", "nan_loss:3")
+    assert fault_point("nan_loss", 3, 1)  # without #N: every start
+
+
+def test_several_nodes_with_torchruns_shared_store_are_warned(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_warning()
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one node: the restart count keeps the starts apart
+    assert restart_warning() is None
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert restart_warning() is None
