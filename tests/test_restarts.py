@@ -127,6 +127,7 @@ def test_resume_auto_starts_fresh_in_an_empty_directory_and_resumes_from_a_check
     starts = _starts(tmp_path)
     got = [(s["step"], s["resume"], s["restart"], s["world_size"]) for s in starts]
     assert got == [(0, "auto", None, 1), (7, "auto", None, 1)]
+    assert all(row["host_rss_gb"] > 0.05 for row in _rows(tmp_path))  # the process's resident memory, in GB
 
 
 def test_resume_auto_starts_again_over_a_start_that_saved_no_checkpoint(tmp_path, capsys):

@@ -222,6 +222,15 @@ def drop_rows_after(path: Path, step: int) -> str | None:
     return " and ".join([*what, *([f"{torn} unreadable line{'s' if torn > 1 else ''}"] if torn else [])])
 
 
+def host_rss() -> int | None:
+    """This process's resident memory in bytes (``/proc/self/statm``: one small read), None without /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def format_fields(record: dict[str, Any], fields: list[tuple[str, str]]) -> str:
     """``"a | b | c"`` from ``(key, template)`` pairs, skipping keys that are absent or None."""
     return " | ".join(t.format(record[k]) for k, t in fields if record.get(k) is not None)
@@ -372,8 +381,12 @@ class StepLog:
             record["first_step_s"] = step_time
         elif self.peak_flops is not None:
             record["mfu"] = self.flops_per_token * tps / self.env.world_size / self.peak_flops
-        if self.env.device.type == "cuda":
+        if self.env.device.type == "cuda":  # the caching allocator's counters, read on the host: no device sync
             record["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.env.device) / 1e9
+            record["mem_allocated_gb"] = torch.cuda.memory_allocated(self.env.device) / 1e9
+            record["mem_reserved_gb"] = torch.cuda.memory_reserved(self.env.device) / 1e9
+        if (rss := host_rss()) is not None:
+            record["host_rss_gb"] = rss / 1e9
         return record
 
     def write(self, record: dict[str, Any] | None) -> None:
