@@ -152,3 +152,55 @@ def test_fsdp_benchmark_runs_the_loop_and_ours_on_two_cpu_processes(tmp_path, mo
     assert doc["run"]["device"] == "cpu" and doc["run"]["tiny"]
     lines = table(doc).splitlines()
     assert sum("| hf-llama-1b (tiny) | 2 | 2 x 64 |" in line for line in lines) == 2
+
+
+def _soak_run(step_s=lambda t: 0.1, rss=lambda t: 1.0, cache_after_kill=0, steps=None):
+    """A 5-minute soak as scripts/soak.py records it: a row every 2 s, a rank killed at 150 s (the restart resumed
+    from step 70), the compile cache sampled every second."""
+    rows = [{"step": int(t / 2), "t": float(t), "step_time": step_s(t), "host_rss_gb": rss(t),
+             "mem_allocated_gb": 5.0, "mem_reserved_gb": 6.0} for t in range(2, 300, 2)]  # fmt: skip
+    if steps is not None:
+        for r, s in zip(rows, steps):
+            r["step"] = s
+    samples = [{"t": float(t), "step": 0, "cache_bytes": 1000 + (cache_after_kill if t > 150 else 0),
+                "bundle_bytes": 10} for t in range(300)]  # fmt: skip
+    starts = [{"restart": 0, "step": 0, "checkpoint": None}, {"restart": 1, "step": 70, "checkpoint": "c/step_70"}]
+    return {"returncode": 0, "rows": rows, "samples": samples, "kill": {"t": 150.0, "rank": 1, "last_step": 74},
+            "stop_s": 300.0, "starts": starts}  # fmt: skip
+
+
+def test_soak_checks_each_series_for_drift():
+    """scripts/soak.py's checks on synthetic series: steady ones pass; step time 3% slower in the last minute,
+    resident memory growing 4% over the second start, a compile cache that grew after the restart, a repeated
+    step: each fails its own check, and only it."""
+    import argparse
+
+    from scripts.soak import analyse
+
+    a = argparse.Namespace(minutes=5.0)
+    steady = analyse(a, _soak_run())
+    assert steady["ok"] and all(c["ok"] for c in steady["checks"].values()), steady["checks"]
+    assert steady["restart"]["resumed_from_step"] == 70 and steady["restart"]["steps_run_again"] == 4
+    failing = {
+        "step_time": _soak_run(step_s=lambda t: 0.103 if t >= 240 else 0.1),
+        "host_rss": _soak_run(rss=lambda t: 1.0 + (0.04 * (t - 150) / 150 if t > 150 else 0)),
+        "compile_cache": _soak_run(cache_after_kill=4096),
+        "job": _soak_run(steps=[1, 2, 2]),
+    }
+    for name, run in failing.items():
+        checks = analyse(a, run)["checks"]
+        assert [k for k, c in checks.items() if c["ok"] is False] == [name], (name, checks)
+    slow = analyse(a, failing["step_time"])["checks"]["step_time"]
+    assert abs(slow["change_pct"] - 3.0) < 1e-9
+
+
+def test_soak_refuses_bad_arguments(capsys):
+    from scripts.soak import _args
+
+    for argv, says in ((["--minutes", "0"], "--minutes: expected a positive number"),
+                       (["--kill-at", "1.5"], "--kill-at: expected a fraction"),
+                       (["--nproc", "2", "--kill-rank", "2"], "--kill-rank: expected a rank below --nproc 2"),
+                       (["--config", "configs/nope.yaml"], "--config: no such file")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            _args(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
