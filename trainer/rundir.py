@@ -39,7 +39,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainer.distributed.env import DistEnv, every_rank, pid_alive, restart_warning
@@ -187,12 +187,8 @@ def _decide_auto(run_dir: Path, old: str | None, start: Start) -> Start:
     start of a run that keeps checkpoints but saved none)."""
     pointer = run_dir / "checkpoints" / "last"
     if pointer.is_file():
-        name = pointer.read_text().strip()
-        return Start(str(pointer.parent / name), AUTO, start.restart, start.max_restarts)
-    fresh = Start(None, AUTO, start.restart, start.max_restarts)
-    if old is None or not _keeps_checkpoints(run_dir / "config.yaml"):
-        return fresh
-    return Start(None, AUTO, start.restart, start.max_restarts, again=True)
+        return replace(start, resume=str(pointer.parent / pointer.read_text().strip()))
+    return replace(start, resume=None, again=old is not None and _keeps_checkpoints(run_dir / "config.yaml"))
 
 
 def _keeps_checkpoints(config: Path) -> bool:
