@@ -14,9 +14,10 @@ Read from the rows (``log.every`` steps apart): ``step_time``, ``mem_allocated_g
 ``host_rss_gb`` (rank 0). The checks, with W = minutes / 5 (one minute of a 5-minute soak):
 
 - step time: the median over [W, 2W) against the median over the last W, within 2%;
-- allocated memory: flat (the same two windows within 1%); reserved memory: grows less than 2%;
-- host RSS: grows less than 1% within each start of the job (from the end of its first W to its end; a restarted
-  process has a resident size of its own);
+- allocated memory: flat (the same two windows within 1%);
+- reserved memory (less than 2%) and host RSS (less than 1%): growth within each start of the job, a process of its
+  own, once it is steady: after its first evaluation (which compiles the evaluation's graphs and takes their
+  memory once), from the first quarter of the rows after it to the last quarter;
 - compile cache: no bigger at the end than when the rank was killed (the restart compiled nothing new);
 - the job: exit 0, one restart, resumed from a checkpoint, metrics steps increasing with none repeated.
 
@@ -197,6 +198,26 @@ def _change(first: float | None, last: float | None, limit: float, growth_only: 
     return {"first": first, "last": last, "change_pct": pct, "limit_pct": limit, "ok": ok}
 
 
+def _steady(rows: list[dict], kill_t: float, eval_every: int) -> list[list[dict]]:
+    """Each start's rows once it is steady: those after its first evaluation (all of them without one)."""
+    spans = []
+    for inside in (lambda t: t < kill_t, lambda t: t >= kill_t):  # each start of the job: its own process
+        span = [r for r in rows if r["t"] is not None and inside(r["t"])]
+        first_eval = -(-span[0]["step"] // eval_every) * eval_every if span and eval_every else None
+        after = [r for r in span if first_eval is not None and r["step"] > first_eval]
+        spans.append(after or span)
+    return spans
+
+
+def _growth(span: list[dict], key: str, limit: float) -> dict | None:
+    """The change of ``key`` from the first quarter of ``span`` to its last (medians); None without values."""
+    vals = [r[key] for r in span if r.get(key) is not None]
+    if len(vals) < 2:
+        return None
+    quarter = max(1, len(vals) // 4)
+    return _change(statistics.median(vals[:quarter]), statistics.median(vals[-quarter:]), limit, True)
+
+
 def analyse(a, run: dict) -> dict:
     total, w = a.minutes * 60, a.minutes * 60 / 5
     rows = [r for r in run["rows"] if r.get("first_step_s") is None]  # a start's first step is its compile
@@ -205,19 +226,12 @@ def analyse(a, run: dict) -> dict:
                              LIMITS["step_time"]),
         "mem_allocated": _change(_median(rows, "mem_allocated_gb", w, 2 * w),
                                  _median(rows, "mem_allocated_gb", total - w, total), LIMITS["mem_allocated"]),
-        "mem_reserved": _change(_median(rows, "mem_reserved_gb", w, 2 * w),
-                                _median(rows, "mem_reserved_gb", total - w, total), LIMITS["mem_reserved"], True),
     }  # fmt: skip
     kill_t = run["kill"]["t"] if run["kill"] else total
-    rss = []
-    for begin, end in ((0.0, kill_t), (kill_t, total)):  # each start of the job: its own process
-        span = [r for r in rows if r["t"] is not None and begin + w <= r["t"] < end and r.get("host_rss_gb")]
-        quarter = max(1, len(span) // 4)
-        if len(span) >= 2:
-            first = statistics.median(r["host_rss_gb"] for r in span[:quarter])
-            rss.append(_change(first, statistics.median(r["host_rss_gb"] for r in span[-quarter:]),
-                               LIMITS["host_rss"], True))  # fmt: skip
-    checks["host_rss"] = {"starts": rss, "ok": all(c["ok"] for c in rss) if rss else None}
+    for name, key in (("mem_reserved", "mem_reserved_gb"), ("host_rss", "host_rss_gb")):
+        per_start = [_growth(span, key, LIMITS[name]) for span in _steady(rows, kill_t, getattr(a, "eval_every", 0))]
+        per_start = [c for c in per_start if c is not None]
+        checks[name] = {"starts": per_start, "ok": all(c["ok"] for c in per_start) if per_start else None}
     before = [s for s in run["samples"] if s["t"] <= kill_t]
     at_kill, at_end = (before[-1]["cache_bytes"] if before else 0), run["samples"][-1]["cache_bytes"]
     checks["compile_cache"] = {"at_kill_bytes": at_kill, "at_end_bytes": at_end,
@@ -304,14 +318,15 @@ def table(result: dict) -> str:
              f"{result['run']['minutes']:g} min, {result['steps']} steps; git {result['run']['git_sha']}",
              "| check | first | last | change | limit | ok |", "|---|---|---|---|---|---|"]  # fmt: skip
     c = result["checks"]
-    for name in ("step_time", "mem_allocated", "mem_reserved"):
+    for name in ("step_time", "mem_allocated"):
         x = c[name]
         num = lambda v: "-" if v is None else f"{v:.4g}"
         pct = "-" if x["change_pct"] is None else f"{x['change_pct']:+.2f}%"
         lines.append(f"| {name} | {num(x['first'])} | {num(x['last'])} | {pct} | {x['limit_pct']}% | {x['ok']} |")
-    for i, x in enumerate(c["host_rss"]["starts"]):
-        lines.append(f"| host_rss (start {i + 1}) | {x['first']:.4g} GB | {x['last']:.4g} GB | "
-                     f"{x['change_pct']:+.2f}% | <{x['limit_pct']}% | {x['ok']} |")  # fmt: skip
+    for name in ("mem_reserved", "host_rss"):
+        for i, x in enumerate(c[name]["starts"]):
+            lines.append(f"| {name} (start {i + 1}, steady) | {x['first']:.4g} GB | {x['last']:.4g} GB | "
+                         f"{x['change_pct']:+.2f}% | <{x['limit_pct']}% | {x['ok']} |")  # fmt: skip
     cc = c["compile_cache"]
     lines.append(f"| compile_cache | {cc['at_kill_bytes']} B | {cc['at_end_bytes']} B | | no growth | {cc['ok']} |")
     lines.append(f"| job | | | | exit 0, one restart | {c['job']['ok']} |")

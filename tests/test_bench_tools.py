@@ -154,11 +154,18 @@ def test_fsdp_benchmark_runs_the_loop_and_ours_on_two_cpu_processes(tmp_path, mo
     assert sum("| hf-llama-1b (tiny) | 2 | 2 x 64 |" in line for line in lines) == 2
 
 
+def _first_eval_step(t: float) -> float:
+    """What the first evaluation of each start (steps 25 and 75, every 25 steps) takes once, resident and reserved:
+    3%, before and after the restart at 150 s."""
+    return 0.03 if 50 < t < 150 or t > 152 else 0.0
+
+
 def _soak_run(step_s=lambda t: 0.1, rss=lambda t: 1.0, cache_after_kill=0, steps=None):
     """A 5-minute soak as scripts/soak.py records it: a row every 2 s, a rank killed at 150 s (the restart resumed
-    from step 70), the compile cache sampled every second."""
-    rows = [{"step": int(t / 2), "t": float(t), "step_time": step_s(t), "host_rss_gb": rss(t),
-             "mem_allocated_gb": 5.0, "mem_reserved_gb": 6.0} for t in range(2, 300, 2)]  # fmt: skip
+    from step 70), the compile cache sampled every second, an evaluation every 25 steps."""
+    rows = [{"step": int(t / 2), "t": float(t), "step_time": step_s(t), "host_rss_gb": rss(t) + _first_eval_step(t),
+             "mem_allocated_gb": 5.0, "mem_reserved_gb": 6.0 + 6 * _first_eval_step(t)}
+            for t in range(2, 300, 2)]  # fmt: skip
     if steps is not None:
         for r, s in zip(rows, steps):
             r["step"] = s
@@ -170,23 +177,27 @@ def _soak_run(step_s=lambda t: 0.1, rss=lambda t: 1.0, cache_after_kill=0, steps
 
 
 def test_soak_checks_each_series_for_drift():
-    """scripts/soak.py's checks on synthetic series: steady ones pass; step time 3% slower in the last minute,
-    resident memory growing 4% over the second start, a compile cache that grew after the restart, a repeated
-    step: each fails its own check, and only it."""
+    """scripts/soak.py's checks on synthetic series: steady ones pass (resident and reserved memory that grow 3%
+    once, at each start's first evaluation, too); step time 3% slower in the last minute, resident memory growing
+    4% over the second start, reserved memory growing 3% after the first evaluation, a compile cache that grew
+    after the restart, a repeated step: each fails its own check, and only it."""
     import argparse
 
     from scripts.soak import analyse
 
-    a = argparse.Namespace(minutes=5.0)
+    a = argparse.Namespace(minutes=5.0, eval_every=25)
     steady = analyse(a, _soak_run())
     assert steady["ok"] and all(c["ok"] for c in steady["checks"].values()), steady["checks"]
     assert steady["restart"]["resumed_from_step"] == 70 and steady["restart"]["steps_run_again"] == 4
     failing = {
         "step_time": _soak_run(step_s=lambda t: 0.103 if t >= 240 else 0.1),
         "host_rss": _soak_run(rss=lambda t: 1.0 + (0.04 * (t - 150) / 150 if t > 150 else 0)),
+        "mem_reserved": _soak_run(),
         "compile_cache": _soak_run(cache_after_kill=4096),
         "job": _soak_run(steps=[1, 2, 2]),
     }
+    for r in failing["mem_reserved"]["rows"]:
+        r["mem_reserved_gb"] += 0.18 * max(0.0, r["t"] - 60) / 90 if r["t"] < 150 else 0.0
     for name, run in failing.items():
         checks = analyse(a, run)["checks"]
         assert [k for k, c in checks.items() if c["ok"] is False] == [name], (name, checks)

@@ -91,9 +91,11 @@ def test_a_rank_killed_under_torchrun_restarts_resumes_and_ends_as_an_uninterrup
 @pytest.mark.multi_gpu
 def test_a_rank_killed_under_torchrun_restarts_on_two_gpus(tmp_path):
     """The same kill and restart on 2 GPUs under NCCL, with CUDA's defaults: compiled, the whole step (all-reduces
-    included) one CUDA graph, bf16. The restarted job ends as an uninterrupted one: steps 1..30 once each, and every
-    loss and gradient norm within 1e-6 of the uninterrupted run's (the same kernels on the same state and batches;
-    the observed difference is printed)."""
+    included) one CUDA graph, bf16. The restarted job ends as an uninterrupted one: steps 1..30 once each, every
+    loss and gradient norm within 0.2% of the uninterrupted run's. Not bit for bit as on the CPU: a start runs its
+    first steps as ordinary compiled steps before it captures the graph (trainer.step.GRAPH_AFTER_STEPS), so steps
+    11-13 of the restarted job are ordinary where the uninterrupted run's were replays, whose bf16 results differ
+    in the last bits (observed: up to 8.5e-4 on losses near 4 by step 30; steps 1-10 equal bit for bit)."""
     cuda = ["train.device=cuda", "model.dropout=0.0"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     r = _job(ref, *cuda, timeout=400)
@@ -104,9 +106,14 @@ def test_a_rank_killed_under_torchrun_restarts_on_two_gpus(tmp_path):
     assert f"resume=auto: resumed from {run / 'checkpoints' / 'step_000010'} at step 10" in r.stdout, r.stdout
     rows, want = _rows(run), {row["step"]: row for row in _rows(ref)}
     assert [row["step"] for row in rows] == list(range(1, 31))
-    diff = max(abs(row[k] - want[row["step"]][k]) for row in rows for k in ("loss", "grad_norm"))
-    print("2 GPUs, NCCL, graphed: max |loss or grad-norm difference|, restarted vs uninterrupted:", diff)
-    assert diff <= 1e-6, diff
+
+    def diff(steps, relative=False):
+        return max(abs(r[k] - want[r["step"]][k]) / (abs(want[r["step"]][k]) if relative else 1.0)
+                   for r in rows if r["step"] in steps for k in ("loss", "grad_norm"))  # fmt: skip
+
+    print("2 GPUs, NCCL, graphed: max |loss or grad-norm difference| restarted vs uninterrupted, steps 1-10 (before "
+          f"the kill): {diff(range(1, 11))}; steps 11-30: {diff(range(11, 31))}")  # fmt: skip
+    assert diff(range(1, 31), relative=True) <= 2e-3, diff(range(1, 31), relative=True)
     assert [(s["restart"], s["step"]) for s in _starts(run)] == [(0, 0), (1, 10)]
 
 
