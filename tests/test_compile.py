@@ -221,6 +221,7 @@ def test_explain_names_the_planted_break_and_writes_the_report(tmp_path, planted
     assert r.returncode == 0, r.stderr
     assert f"{planted}:{line}" in r.stdout, r.stdout
     assert "Graph breaks: 1" in r.stdout and "print" in r.stdout
+    assert "plan: what each auto became" in r.stdout and "  optim.impl=auto: foreach" in r.stdout, r.stdout
     # `fit` writes the same report into the run directory
     run = tmp_path / "run"
     torch._dynamo.reset()

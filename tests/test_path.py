@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tests.conftest import FAST, ROOT, cli
-from trainer.build import resolve_auto
 from trainer.config import load_config
+from trainer.plan import compile_switches as resolve_auto
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # resolve_auto reads the device's type only
 

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import warnings
@@ -16,45 +15,6 @@ import torch.nn as nn
 
 from trainer.config import Config, ConfigError
 from trainer.distributed.fsdp import is_sharded
-
-
-def resolve_auto(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
-    """A copy of ``cfg`` with ``compile.enabled`` and ``compile.cudagraphs`` resolved for ``device``, and why (the
-    startup line's reasons). ``auto`` is the fastest measured path: compiled on CUDA, and the whole step as one CUDA
-    graph wherever the step allows it."""
-    cfg = copy.deepcopy(cfg)
-    c, why = cfg.compile, []
-    if c.enabled == "auto":
-        c.enabled = device.type == "cuda"
-        why.append(f"compile.enabled=auto: {'on for CUDA' if c.enabled else 'off on ' + device.type}")
-    if c.cudagraphs == "auto":
-        from trainer.compile.graphed import blocker
-
-        reason = blocker(cfg) if device.type == "cuda" else None
-        c.cudagraphs = device.type == "cuda" and reason is None
-        state = "on" if c.cudagraphs else f"off, {reason}" if reason else f"off on {device.type}"
-        why.append(f"compile.cudagraphs=auto: {state}")
-    elif c.cudagraphs and device.type != "cuda":
-        why.append(f"compile.cudagraphs=true has no effect on {device.type}")
-    c.kernels, note = _resolve_kernels(cfg, device)
-    why += [note] if note else []
-    return cfg, why
-
-
-def _resolve_kernels(cfg: Config, device: torch.device) -> tuple[list[str], str | None]:
-    """``compile.kernels`` as a list of names for ``device``, and a note when the choice needs one. ``auto`` leaves
-    out the loss row kernel under fp16 (its weight-gradient sum could overflow unscaled) and under compiled
-    autograd (whose backward graph would keep a second logits buffer; the fused loss keeps none)."""
-    from trainer.compile.capture import resolve_kernels
-
-    c = cfg.compile
-    kernels = resolve_kernels(c.kernels, device.type)
-    if not (c.enabled or c.autograd):
-        return [], (f"compile.kernels={c.kernels} has no effect without compile" if kernels and c.kernels != "auto"
-                    else None)  # fmt: skip
-    if c.kernels == "auto" and (cfg.train.precision == "fp16" or c.autograd):
-        kernels = [k for k in kernels if k != "cross_entropy"]
-    return kernels, None
 
 
 def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str:
@@ -360,11 +320,13 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, env=Non
                   momentum=o.momentum, device=device)  # fmt: skip
     groups = param_groups(model, o.weight_decay)
     if env is not None and env.distributed and d.strategy == "ddp" and d.shard_optimizer:
+        from trainer import plan as plans
         from trainer.distributed import zero
         from trainer.distributed.buckets import plan_buckets
 
         plan = plan_buckets(model, d.bucket_mb, cfg.compile.blocks, d.split_tail)
-        impl = "fused" if o.impl == "auto" and device.type == "cuda" else o.impl
+        strategy = plans.Strategy(d.strategy, env.world_size, d.shard_optimizer)
+        impl, _ = plans.optim_impl(cfg, device, strategy, plans.precision(cfg.train.precision, device))
         inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=impl, max_grad_norm=0.0, **kwargs)
         return zero.ShardedOptimizer(groups, plan, inner, max_grad_norm=o.grad_clip)
     opt = optimizer.build_optimizer(
@@ -425,9 +387,10 @@ def check_attention(cfg: Config, device: torch.device, dtype) -> None:
 
 
 def amp_dtype(precision: str, device: torch.device):
-    if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]
+    """The autocast dtype of ``train.precision`` on ``device`` (None: fp32); the rule for auto: :mod:`trainer.plan`."""
+    from trainer import plan
+
+    return plan.AUTOCAST[plan.precision(precision, device)]
 
 
 def grad_scaler(dtype, device: torch.device):
@@ -533,7 +496,9 @@ def shard(model: nn.Module, cfg: Config, amp_dtype, env, say) -> None:
             say("fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP")
         blocks = dataclasses.replace(c, scope="blocks")
         apply_compile(model, blocks, say=say or (lambda m: None), hooks_outside=True)
-    param_dtype = amp_dtype if d.param_dtype == "auto" else DTYPES[d.param_dtype]
+    from trainer import plan as plans
+
+    param_dtype = DTYPES[plans.param_dtype(d.param_dtype, plans.precision(cfg.train.precision, env.device))]
     units = fsdp_units(model, cfg)
     if say:  # the report's first line; `trainer explain` prints all of it
         say(describe_units(model, units, d.fsdp_unit_mb).split("\n", 1)[0])

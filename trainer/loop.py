@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer import build, rundir
+from trainer import build, plan, rundir
 from trainer.checkpoint import Checkpointer
 from trainer.compile.report import RecompileLimitError
-from trainer.config import Config, to_yaml
+from trainer.config import Config
 from trainer.data import load_corpus
 from trainer.distributed import env as dist_env
 from trainer.metrics import Metrics, StepLog, peak_flops
@@ -56,7 +56,8 @@ class Trainer:
 
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
         device, say = env.device, (lambda m: print(m, flush=True)) if env.is_main else None
-        cfg, why = build.resolve_auto(self.cfg, device)  # compile.enabled/cudagraphs=auto: the fastest path here
+        resolved = plan.resolve(self.cfg, env)  # every auto, once: the compile switches the fastest path here
+        cfg = resolved.cfg
         run_dir = Path(cfg.run.dir)
         build.seed_everything(cfg.seed)
         # The data, the model (checked against the data, sharded before the optimizer exists), the optimizer and its
@@ -67,13 +68,12 @@ class Trainer:
         self.raw_model = raw_model = build.make_model(cfg, corpus.vocab_size, device, env, say)
         if env.is_main:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        compiling = cfg.compile.enabled or cfg.compile.autograd
-        if compiling:
+            resolved.write(run_dir)  # config.yaml and plan.json
+        if compiling := cfg.compile.enabled or cfg.compile.autograd:
             from trainer.compile import cache
 
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
-        amp_dtype = build.amp_dtype(cfg.train.precision, device)
+        amp_dtype = resolved.autocast
         if env.distributed and cfg.distributed.strategy == "fsdp":
             build.shard(raw_model, cfg, amp_dtype, env, say=say)
         opt = build.build_optimizer(raw_model, cfg, device, env)  # shard_optimizer: parameters moved into buckets
@@ -88,7 +88,7 @@ class Trainer:
         train_step = build.train_step(model, raw_model, opt, scaler, cfg, env, say=metrics.print)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         metrics.print(build.describe_run(cfg, env, raw_model, corpus, amp_dtype, tokens_per_step))
-        metrics.print(build.describe_path(cfg, device, opt, why))
+        metrics.print(build.describe_path(cfg, device, opt, resolved.compile_reasons))
         watcher = build.compile_watcher(cfg, say=metrics.print, model=raw_model)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from trainer import checkpoint
+from trainer.distributed.env import resolve_device
 
 
 def main(args) -> int:
@@ -34,7 +35,7 @@ def main(args) -> int:
     cfg = _run_config(run)
     codec = _run_codec(cfg, run)
     path = _checkpoint(args.checkpoint, run)
-    device = _device(args.device)
+    device = resolve_device(args.device, 0, key="--device")
     model = _run_model(cfg, run)
     meta = checkpoint.load_model_weights(path, model)
     model.to(device).eval()
@@ -92,18 +93,6 @@ def _checkpoint(spec: str, run: Path) -> Path:
     if spec != "last" and not Path(spec).exists():
         raise checkpoint.CheckpointError(f"sample: --checkpoint {spec}: no such checkpoint directory")
     return checkpoint.resolve(spec, run)
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device here; use --device cpu")
-    return device
 
 
 def _run_model(cfg, run: Path) -> nn.Module:

@@ -219,7 +219,7 @@ def resolve_kernels(value, device_type: str) -> list[str]:
 
 
 def enabled_kernels(cfg) -> tuple[str, ...]:
-    """The kernels a compile section (``cfg``) substitutes: its list once :func:`trainer.build.resolve_auto` has
+    """The kernels a compile section (``cfg``) substitutes: its list once :func:`trainer.plan.compile_switches` has
     resolved ``compile.kernels`` for the device; none before."""
     return tuple(cfg.kernels) if isinstance(cfg.kernels, list | tuple) else ()
 

@@ -448,12 +448,9 @@ class CompileWatcher:
 
     def write(self, path: str | os.PathLike) -> Path:
         """Write ``report()`` as JSON to ``path`` (the run's ``compile_report.json``); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.report(), indent=2, default=str) + "\n")
-        os.replace(tmp, path)
-        return path
+        from trainer.io import atomic_write_text
+
+        return atomic_write_text(path, json.dumps(self.report(), indent=2, default=str) + "\n")
 
 
 _ADVICE = (

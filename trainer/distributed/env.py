@@ -36,21 +36,21 @@ class DistEnv:
         return self.backend is not None
 
 
-def resolve_device(spec: str, local_rank: int) -> torch.device:
-    """``auto`` -> ``cuda:<local_rank>`` if CUDA is available, else ``cpu``.
+def resolve_device(spec: str, local_rank: int, key: str = "train.device") -> torch.device:
+    """``auto`` -> ``cuda:<local_rank>`` if CUDA is available, else ``cpu`` (the one rule for a device's ``auto``).
 
     Raises:
-        ValueError: CUDA asked for but unavailable, or an unknown device string.
+        ValueError: CUDA asked for but unavailable, or an unknown device string (the message names ``key``).
     """
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(spec)
     except RuntimeError:
-        raise ValueError(f"train.device: unknown device '{spec}'; expected auto, cpu, cuda or cuda:N") from None
+        raise ValueError(f"{key}: unknown device '{spec}'; expected auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"train.device: '{spec}' asked for, but CUDA is not available here; use auto or cpu")
+            raise ValueError(f"{key}: '{spec}' asked for, but CUDA is not available here; use auto or cpu")
         if device.index is None:
             device = torch.device("cuda", local_rank)
     return device

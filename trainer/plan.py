@@ -1,0 +1,255 @@
+"""The run's plan: every ``auto`` of the config resolved once, for this device and world, with the reason.
+
+:func:`resolve` makes a frozen :class:`Plan` at the start of a run; the fit loop builds from ``plan.cfg`` (the
+config with the compile switches resolved) and the plan's other fields. Each ``auto`` has one rule, which this
+module applies (and states, or calls where the rule belongs to its piece: the optimizer's, the device's); the
+functions elsewhere that still accept ``auto``, for callers that build a piece alone (the benchmarks, tests), call
+the same rule.
+
+The run directory keeps ``plan.json``: the values the run used, each ``auto`` replaced, and one line per ``auto``
+saying what it became and why. ``trainer explain`` prints the same lines.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+DTYPE_NAMES = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Data parallelism as it runs: the configured ``distributed.strategy`` on ``world`` ranks (a small value
+    object, as torchtitan's ``ParallelDims``). With one rank every strategy runs as ``none``."""
+
+    name: str  # none, ddp or fsdp, as configured
+    world: int
+    shard_optimizer: bool = False
+
+    @property
+    def ddp(self) -> bool:
+        """Replicated parameters, gradients all-reduced over the bucket plan."""
+        return self.name == "ddp" and self.world > 1
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters, gradients and optimizer states sharded by FSDP2."""
+        return self.name == "fsdp" and self.world > 1
+
+    @property
+    def zero(self) -> bool:
+        """ddp with the optimizer state sharded over the ranks (``distributed.shard_optimizer``)."""
+        return self.ddp and self.shard_optimizer
+
+    def __str__(self) -> str:
+        if self.world == 1:
+            return "one process"
+        return f"{self.name} over {self.world} ranks" + (", optimizer state sharded" if self.zero else "")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run does, resolved: ``cfg`` with its compile switches resolved, and every other ``auto`` as a field.
+
+    Attributes:
+        cfg: the config, ``compile.enabled``, ``compile.cudagraphs`` and ``compile.kernels`` resolved.
+        device: where the model trains (``train.device``).
+        strategy: data parallelism as it runs.
+        backend: the process group's (nccl, gloo), None for one process.
+        precision: ``train.precision``: fp32, bf16, fp16 or fp8.
+        param_dtype: the dtype FSDP gathers parameters in (fp32: as stored); fp32 without fsdp.
+        reduce_dtype: the dtype gradients are reduced in across ranks.
+        optim_impl: ``optim.impl``: eager, foreach, fused, compiled or triton.
+        data_dtype: the token dtype read from disk: uint16, uint32, or bytes (text read as bytes).
+        attention: the built-in GPT's attention kernel: torch's choice per call, or the one named.
+        checkpointing: ``train.activation_checkpointing`` (none, full, selective).
+        choices: one line per ``auto``: what it became and why.
+    """
+
+    cfg: Config
+    device: torch.device
+    strategy: Strategy
+    backend: str | None
+    precision: str
+    param_dtype: str
+    reduce_dtype: str
+    optim_impl: str
+    data_dtype: str
+    attention: str
+    checkpointing: str
+    choices: tuple[str, ...] = field(default=())
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The autocast dtype of the forward (None: fp32, no autocast)."""
+        return AUTOCAST[self.precision]
+
+    @property
+    def compile_reasons(self) -> list[str]:
+        """The choices of the compile switches: the startup line's reasons for its path."""
+        return [line for line in self.choices if line.startswith("compile.")]
+
+    def as_dict(self) -> dict:
+        """The resolved values, by config key, and the choices: ``plan.json``."""
+        c = self.cfg.compile
+        return {
+            "train.device": str(self.device),
+            "world": self.strategy.world,
+            "distributed.strategy": self.strategy.name if self.strategy.world > 1 else "none",
+            "distributed.backend": self.backend or "none",
+            "train.precision": self.precision,
+            "autocast": DTYPE_NAMES[self.autocast],
+            "distributed.param_dtype": self.param_dtype,
+            "distributed.reduce_dtype": self.reduce_dtype,
+            "optim.impl": self.optim_impl,
+            "data.dtype": self.data_dtype,
+            "model.attention": self.attention,
+            "train.activation_checkpointing": self.checkpointing,
+            "compile.enabled": bool(c.enabled),
+            "compile.cudagraphs": bool(c.cudagraphs) and self.device.type == "cuda",
+            "compile.kernels": list(c.kernels),
+            "choices": list(self.choices),
+        }
+
+    def write(self, run_dir: Path) -> None:
+        """``run_dir/config.yaml`` (``cfg``: the config as given, its compile switches resolved) and
+        ``run_dir/plan.json`` (:meth:`as_dict`)."""
+        from trainer.config import to_yaml
+        from trainer.io import atomic_write_text
+
+        atomic_write_text(Path(run_dir) / "config.yaml", to_yaml(self.cfg))
+        atomic_write_text(Path(run_dir) / "plan.json", json.dumps(self.as_dict(), indent=1) + "\n")
+
+
+# -- the rules for auto, one function each ----------------------------------------------------------------------
+
+
+def precision(spec: str, device: torch.device) -> str:
+    """``train.precision``: ``auto`` is bf16 autocast on CUDA, fp32 elsewhere."""
+    if spec != "auto":
+        return spec
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def param_dtype(spec: str, precision_: str) -> str:
+    """``distributed.param_dtype`` (FSDP's compute dtype): ``auto`` is the precision's autocast dtype."""
+    return DTYPE_NAMES[AUTOCAST[precision_]] if spec == "auto" else spec
+
+
+def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_: str) -> tuple[str, str]:
+    """``optim.impl`` and why (see :func:`trainer.compile.optimizer.resolve_impl`; the sharded optimizer's inner
+    update is torch's ``fused`` on CUDA: a shard must stay a view of its bucket's buffer)."""
+    from trainer.compile.optimizer import resolve_impl
+
+    o = cfg.optim
+    if strategy.zero:
+        impl = "fused" if o.impl == "auto" and device.type == "cuda" else o.impl
+        return ("foreach" if impl == "auto" else impl), "the sharded optimizer's update of each shard"
+    impl = resolve_impl(o.impl, device, name=o.name, sharded=strategy.fsdp, scaled=precision_ == "fp16")
+    if device.type != "cuda":
+        why = f"torch's foreach on {device.type}"
+    elif impl == "triton":
+        why = f"ours for {o.name} on CUDA"
+    else:
+        why = "torch's fused " + ("under fsdp" if strategy.fsdp else "with fp16's scaler" if precision_ == "fp16"
+                                  else f"for {o.name}")  # fmt: skip
+    return impl, why
+
+
+def data_dtype(cfg: Config) -> tuple[str, str]:
+    """``data.dtype``: a prepared directory's (its ``meta.json``), uint16 for a bare ``.bin`` (nanoGPT's), bytes
+    for text (the embedded corpus, a text file)."""
+    from trainer.data import META, _data_path, read_meta
+
+    p = _data_path(cfg.data.path)
+    if p is not None and p.is_dir() and (p / META).is_file():
+        dtype = read_meta(p)["dtype"]
+        return dtype, f"{p / META}'s"
+    if p is not None and p.suffix == ".bin":
+        return ("uint16", "a bare .bin file (nanoGPT's)") if cfg.data.dtype == "auto" else (cfg.data.dtype, "")
+    return "bytes", "text is read as bytes"
+
+
+def compile_switches(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
+    """A copy of ``cfg`` with ``compile.enabled`` and ``compile.cudagraphs`` resolved for ``device``, and why (the
+    startup line's reasons). ``auto`` is the fastest measured path: compiled on CUDA, and the whole step as one CUDA
+    graph wherever the step allows it."""
+    cfg = copy.deepcopy(cfg)
+    c, why = cfg.compile, []
+    if c.enabled == "auto":
+        c.enabled = device.type == "cuda"
+        why.append(f"compile.enabled=auto: {'on for CUDA' if c.enabled else 'off on ' + device.type}")
+    if c.cudagraphs == "auto":
+        from trainer.compile.graphed import blocker
+
+        reason = blocker(cfg) if device.type == "cuda" else None
+        c.cudagraphs = device.type == "cuda" and reason is None
+        state = "on" if c.cudagraphs else f"off, {reason}" if reason else f"off on {device.type}"
+        why.append(f"compile.cudagraphs=auto: {state}")
+    elif c.cudagraphs and device.type != "cuda":
+        why.append(f"compile.cudagraphs=true has no effect on {device.type}")
+    c.kernels, note = kernels(cfg, device)
+    why += [note] if note else []
+    return cfg, why
+
+
+def kernels(cfg: Config, device: torch.device) -> tuple[list[str], str | None]:
+    """``compile.kernels`` as a list of names for ``device``, and a note when the choice needs one. ``auto`` leaves
+    out the loss row kernel under fp16 (its weight-gradient sum could overflow unscaled) and under compiled
+    autograd (whose backward graph would keep a second logits buffer; the fused loss keeps none)."""
+    from trainer.compile.capture import resolve_kernels
+
+    c = cfg.compile
+    kernels = resolve_kernels(c.kernels, device.type)
+    if not (c.enabled or c.autograd):
+        return [], (f"compile.kernels={c.kernels} has no effect without compile" if kernels and c.kernels != "auto"
+                    else None)  # fmt: skip
+    if c.kernels == "auto" and (cfg.train.precision == "fp16" or c.autograd):
+        kernels = [k for k in kernels if k != "cross_entropy"]
+    return kernels, None
+
+
+def resolve(cfg: Config, env) -> Plan:
+    """The plan of ``cfg`` on ``env`` (:class:`trainer.distributed.env.DistEnv`: its device, world and backend,
+    which :func:`trainer.distributed.env.setup` resolved)."""
+    device = env.device
+    resolved, compile_why = compile_switches(cfg, device)
+    t, d = cfg.train, cfg.distributed
+    strategy = Strategy(d.strategy, env.world_size, d.shard_optimizer)
+    choices = []
+    if t.device == "auto":
+        choices.append(f"train.device=auto: {device} ({'CUDA is available' if device.type == 'cuda' else 'no CUDA'})")
+    if env.backend is not None and d.backend == "auto":
+        choices.append(f"distributed.backend=auto: {env.backend} (for {device.type})")
+    prec = precision(t.precision, device)
+    if t.precision == "auto":
+        why = "bf16 autocast on CUDA" if prec == "bf16" else f"on {device.type}"
+        choices.append(f"train.precision=auto: {prec} ({why})")
+    choices += compile_why
+    pdt = param_dtype(d.param_dtype, prec) if strategy.fsdp else "fp32"
+    if strategy.fsdp and d.param_dtype == "auto":
+        choices.append(f"distributed.param_dtype=auto: {pdt} (train.precision's)")
+    impl, why = optim_impl(cfg, device, strategy, prec)
+    if cfg.optim.impl == "auto":
+        choices.append(f"optim.impl=auto: {impl} ({why})")
+    ddtype, why = data_dtype(cfg)
+    if cfg.data.dtype == "auto":
+        choices.append(f"data.dtype=auto: {ddtype} ({why})")
+    attention = cfg.model.attention
+    if attention == "auto":
+        attention = "sdpa (torch's kernel choice per call)"
+        if cfg.model.target is None and cfg.model.hf is None:
+            choices.append("model.attention=auto: scaled_dot_product_attention picks its kernel per call")
+    return Plan(
+        cfg=resolved, device=device, strategy=strategy, backend=env.backend, precision=prec, param_dtype=pdt,
+        reduce_dtype=d.reduce_dtype, optim_impl=impl, data_dtype=ddtype, attention=attention,
+        checkpointing=t.activation_checkpointing, choices=tuple(choices),
+    )  # fmt: skip
