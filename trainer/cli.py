@@ -1,4 +1,4 @@
-"""``trainer fit | print-config | explain | prepare | sample | plot | export``: a thin argparse front end.
+"""``trainer fit | configs | print-config | explain | prepare | sample | plot | export``: a thin argparse front end.
 
 User errors (config, overrides, files, checkpoints) print one paragraph to stderr and exit 2,
 with no traceback (``TRAINER_DEBUG=1`` shows it). Everything else is a bug and keeps its traceback.
@@ -14,7 +14,8 @@ EXIT_USER_ERROR = 2
 EXIT_TRAINING_FAILED = 1
 
 USAGE_EXAMPLES = """examples:
-  trainer fit configs/tiny.yaml
+  trainer configs
+  trainer fit tiny
   trainer fit configs/tiny.yaml optim.lr=3e-4 train.steps=500
   trainer fit configs/tiny.yaml resume=last
   torchrun --nproc-per-node 2 -m trainer fit configs/gpt2-small-ddp.yaml
@@ -26,6 +27,9 @@ USAGE_EXAMPLES = """examples:
   trainer sample runs/tiny --prompt "def "
   trainer export runs/llama out/llama
 """
+
+
+CONFIG_HELP = "YAML config file, or the name of a shipped config (trainer configs lists them)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,14 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     over = ("key=value overrides (later wins), e.g. optim.lr=3e-4; resume=last|PATH resumes, resume=auto resumes "
             "if there is a checkpoint (fit only)")  # fmt: skip
     f = sub.add_parser("fit", help="train from a config")
-    f.add_argument("config", help="YAML config file")
+    f.add_argument("config", help=CONFIG_HELP)
     f.add_argument("overrides", nargs="*", help=over)
+    sub.add_parser("configs", help="list the configs shipped with trainer")
     pc = sub.add_parser("print-config", help="print the resolved config with each field's help")
-    pc.add_argument("config", nargs="?", help="YAML config file (omit for the defaults)")
+    pc.add_argument("config", nargs="?", help=CONFIG_HELP + "; omit it for the defaults")
     pc.add_argument("overrides", nargs="*", help=over)
     pc.add_argument("--no-help", action="store_true", help="plain YAML without the help comments")
     e = sub.add_parser("explain", help="run a few compiled steps and print the compile report")
-    e.add_argument("config", help="YAML config file")
+    e.add_argument("config", help=CONFIG_HELP)
     e.add_argument("overrides", nargs="*", help=over)
     e.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
     e.add_argument("--dump-code", metavar="DIR", help="write the code Inductor generated, per graph, into DIR")
@@ -153,6 +158,11 @@ def _run(args) -> int:
         cfg = load_config(args.config, args.overrides)
         sys.stdout.write(to_yaml(cfg, with_help=not args.no_help))
         return 0
+    if args.command == "configs":
+        from trainer.shipped import format_configs
+
+        print(format_configs())
+        return 0
     if args.command == "plot":
         from trainer.plot import plot_runs
 
@@ -168,6 +178,7 @@ def _run(args) -> int:
         from trainer.sample import main as sample
 
         return sample(args)
+    args.config = _config_file(args.config)
     overrides, resume = _split_resume(args.overrides)
     if args.command == "explain" and resume:
         raise ValueError("resume: not supported by explain")
@@ -188,6 +199,16 @@ def _run(args) -> int:
     if os.environ.get("RANK", "0") == "0":
         _print_summary(summary)
     return 0
+
+
+def _config_file(config: str) -> str:
+    """The file ``trainer fit CONFIG`` reads; rank 0 says so where a shipped config stands in for ``CONFIG``."""
+    from trainer.shipped import find_config
+
+    path, shipped = find_config(config)
+    if shipped and os.environ.get("RANK", "0") == "0":
+        print(f"config: {path}, shipped with trainer (no {config} in the working directory)", flush=True)
+    return str(path)
 
 
 def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None, verbose: bool = False) -> int:
@@ -217,10 +238,6 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
         return 0
     report = json.loads((Path(scratch) / "compile_report.json").read_text())
     print(format_text(report, verbose))
-    plan = json.loads((Path(scratch) / "plan.json").read_text())
-    print("plan: what each auto became (the run directory's plan.json)" if plan["choices"] else "plan: no auto")
-    for line in plan["choices"]:
-        print(f"  {line}")
     strategy = cfg.distributed.strategy
     if strategy in ("ddp", "fsdp") and "WORLD_SIZE" not in os.environ:
         print(f"distributed.strategy={strategy}: the plan each rank would follow under torchrun (this single process "

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.schema import Config, ConfigError
+from trainer.shipped import find_config
 
 __all__ = ["Config", "ConfigError", "load_config", "validate", "to_dict", "to_yaml", "reference_markdown",
            "field_help", "iter_fields", "get"]  # fmt: skip
@@ -209,7 +210,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load a config: schema defaults, then the YAML file, then ``key=value`` overrides (later wins).
 
     Args:
-        path: YAML file, or None for the defaults alone.
+        path: YAML file, a shipped config's name (``"tiny"``: :func:`trainer.shipped.find_config`), or None for
+            the defaults alone.
         overrides: ``key=value`` strings; values are parsed as YAML.
 
     Returns:
@@ -220,6 +222,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     sources: list[tuple[str, dict]] = []
     if path is not None:
+        path = find_config(path)[0]
         where = str(path)
         data = _load_yaml(Path(path))
         for key in _leaf_keys(data):

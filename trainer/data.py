@@ -65,6 +65,18 @@ TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _SCAN_CHUNK = 1 << 26  # tokens per np.max call: bounds what one call touches (128 MiB of uint16)
 
 
+def token_dtype(path: str | None, dtype: str) -> tuple[str, str]:
+    """What ``data.dtype`` stands for with ``data.path``, and why: a prepared directory's ``meta.json`` dtype, uint16
+    for a bare ``.bin`` token file (nanoGPT's) when ``auto``, ``bytes`` for text (the embedded corpus, a text file).
+    A given dtype that disagrees with meta.json is refused when the data loads."""
+    p = _data_path(path)
+    if p is not None and p.is_dir() and (p / META).is_file():
+        return read_meta(p)["dtype"], f"{p / META}'s"
+    if p is not None and p.suffix == ".bin":
+        return ("uint16", "a bare .bin token file, as nanoGPT's") if dtype == "auto" else (dtype, "as given")
+    return "bytes", "text is read as bytes"
+
+
 def load_corpus(
     path: str | None, vocab_size: int | None, val_fraction: float, seq_len: int, dtype: str = "auto"
 ) -> Corpus:
@@ -146,7 +158,7 @@ def _byte_corpus(p: Path | None, vocab_size: int | None, val_fraction: float) ->
 
 def _token_file_corpus(p: Path, vocab_size: int | None, dtype: str, val_fraction: float) -> Corpus:
     """A bare ``.bin`` token file (nanoGPT's): ``train.bin`` with a ``val.bin`` beside it uses that as validation."""
-    dtype = "uint16" if dtype == "auto" else dtype
+    dtype, _ = token_dtype(str(p), dtype)
     if vocab_size is None:
         raise ValueError(f"data.vocab_size: required for the {dtype} token file {p} (its tokenizer's vocabulary size)")
     tokens = read_tokens(p, dtype, vocab_size)

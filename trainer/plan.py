@@ -164,20 +164,6 @@ def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_
     return impl, why
 
 
-def data_dtype(cfg: Config) -> tuple[str, str]:
-    """``data.dtype``: a prepared directory's (its ``meta.json``), uint16 for a bare ``.bin`` (nanoGPT's), bytes
-    for text (the embedded corpus, a text file)."""
-    from trainer.data import META, _data_path, read_meta
-
-    p = _data_path(cfg.data.path)
-    if p is not None and p.is_dir() and (p / META).is_file():
-        dtype = read_meta(p)["dtype"]
-        return dtype, f"{p / META}'s"
-    if p is not None and p.suffix == ".bin":
-        return ("uint16", "a bare .bin file (nanoGPT's)") if cfg.data.dtype == "auto" else (cfg.data.dtype, "")
-    return "bytes", "text is read as bytes"
-
-
 def compile_switches(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
     """A copy of ``cfg`` with ``compile.enabled`` and ``compile.cudagraphs`` resolved for ``device``, and why (the
     startup line's reasons). ``auto`` is the fastest measured path: compiled on CUDA, and the whole step as one CUDA
@@ -240,7 +226,9 @@ def resolve(cfg: Config, env) -> Plan:
     impl, why = optim_impl(cfg, device, strategy, prec)
     if cfg.optim.impl == "auto":
         choices.append(f"optim.impl=auto: {impl} ({why})")
-    ddtype, why = data_dtype(cfg)
+    from trainer.data import token_dtype
+
+    ddtype, why = token_dtype(cfg.data.path, cfg.data.dtype)
     if cfg.data.dtype == "auto":
         choices.append(f"data.dtype=auto: {ddtype} ({why})")
     attention = cfg.model.attention

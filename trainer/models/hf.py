@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainer.shipped import shipped_path
+
 INSTALL = "pip install -e '.[hf]'"
 # Files of a local model directory that describe its tokenizer and generation: copied beside an export.
 TOKENIZER_FILES = (
@@ -119,8 +121,10 @@ def _first_line(e: BaseException) -> str:
 
 
 def _source(name: str) -> tuple[str, bool]:
-    """``(what transformers reads, whether it is a local directory)`` for ``model.hf``."""
+    """``(what transformers reads, whether it is a local directory)`` for ``model.hf``; a ``configs/...`` path that
+    is not in the working directory is a shipped model directory (:func:`trainer.shipped.shipped_path`)."""
     path = Path(name).expanduser()
+    path = path if path.exists() else shipped_path(name) or path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.hf: {path} holds no config.json; expected a Hugging Face model directory")

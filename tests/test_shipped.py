@@ -1,0 +1,117 @@
+"""The shipped configs: `trainer fit tiny` by name, the working directory's file first, `trainer configs`, the
+did-you-mean for a mistyped name."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, ROOT, cli
+from trainer.config import ConfigError, load_config
+from trainer.shipped import configs_dir, find_config, shipped_path
+
+
+def _main_in(cwd: Path, capsys, *args):
+    """``trainer ARGS`` in this process with ``cwd`` as the working directory: ``(exit status, stdout, stderr)``."""
+    from trainer.cli import main
+
+    capsys.readouterr()
+    saved = os.getcwd()
+    os.chdir(cwd)
+    try:
+        code = main(list(args))
+    finally:
+        os.chdir(saved)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_checkout_reads_the_repository_configs():
+    assert configs_dir() == ROOT / "configs"
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny.yaml", "configs/tiny.yaml"])
+def test_a_name_not_in_the_working_directory_is_the_shipped_config(spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert find_config(spec) == (configs_dir() / "tiny.yaml", True)
+    assert load_config(spec) == load_config(ROOT / "configs/tiny.yaml")
+
+
+def test_the_working_directory_file_wins(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text("run:\n  name: mine\n")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/tiny.yaml").write_text("run:\n  name: mine-too\n")
+    assert find_config("tiny") == (Path("tiny.yaml"), False)
+    assert load_config("tiny").run.name == "mine"
+    assert load_config("tiny.yaml").run.name == "mine"
+    assert load_config("configs/tiny.yaml").run.name == "mine-too"
+    code, out, err = _main_in(tmp_path, capsys, "print-config", "tiny", "--no-help")
+    assert code == 0, err
+    assert "name: mine\n" in out
+    code, out, err = _main_in(tmp_path, capsys, "print-config", "gpt2-small", "--no-help")  # no such file here
+    assert code == 0, err
+    assert "name: gpt2-small\n" in out
+
+
+def test_fit_by_name_says_which_file_it_read(tmp_path, capsys):
+    r = cli(capsys, "fit", "tiny", *FAST, "train.steps=2", "checkpoint.enabled=false", f"run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"config: {configs_dir() / 'tiny.yaml'}, shipped with trainer (no tiny in the working directory)"
+    assert "done: 2 steps" in r.stdout
+    run2 = f"run.dir={tmp_path / 'run2'}"
+    r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, "train.steps=1", "checkpoint.enabled=false", run2)
+    assert r.returncode == 0, r.stderr
+    assert "config:" not in r.stdout  # the file named is there: nothing stands in for it
+
+
+def test_configs_lists_every_shipped_config(capsys):
+    r = cli(capsys, "configs")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in r.stdout.split("\n\n")[0].splitlines()}
+    shipped = sorted((ROOT / "configs").glob("*.yaml"))
+    assert sorted(rows) == sorted(p.stem for p in shipped)
+    for path in shipped:
+        assert rows[path.stem] == path.read_text().splitlines()[0].removeprefix("# ")
+    assert f"Files: {ROOT / 'configs'}" in r.stdout
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_starts_with_one_sentence_that_says_what_it_trains(path):
+    first, second = path.read_text().splitlines()[:2]
+    assert first.startswith("# ") and first.endswith(".") and len(first) <= 120, first  # `trainer configs`' row
+    assert second.startswith("# "), "the details and the launch command follow in the comment"
+
+
+@pytest.mark.parametrize(
+    "args, near",
+    [
+        (["fit", "tiyn"], "did you mean 'tiny'?"),
+        (["fit", "configs/gpt2-smal.yaml"], "did you mean 'gpt2-small'?"),
+        (["print-config", "lama-1b"], "did you mean 'llama-1b'?"),
+        (["explain", "nothing-like-it"], "CONFIG is the path of a YAML file or the name of a config shipped"),
+    ],
+)
+def test_a_mistyped_name_exits_2_with_a_did_you_mean(args, near, tmp_path, capsys):
+    code, out, err = _main_in(tmp_path, capsys, *args)
+    assert code == 2, (out, err)
+    assert near in err
+    assert "gpt2-small, gpt2-small-ddp, llama-1b, tiny" in err
+    assert "Traceback" not in err
+
+
+def test_an_absolute_path_never_falls_back(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        find_config(tmp_path / "tiny.yaml")
+
+
+def test_model_hf_configs_path_is_the_shipped_directory(tmp_path, monkeypatch):
+    from trainer.models.hf import _source
+
+    monkeypatch.chdir(tmp_path)
+    assert shipped_path("configs/hf/llama-3.2-1b") == configs_dir() / "hf/llama-3.2-1b"
+    assert _source("configs/hf/llama-3.2-1b") == (str(configs_dir() / "hf/llama-3.2-1b"), True)
+    assert shipped_path("configs/../pyproject.toml") is None
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        _source("configs/hf/nope")
