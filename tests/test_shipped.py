@@ -102,8 +102,10 @@ def test_a_mistyped_name_exits_2_with_a_did_you_mean(args, near, tmp_path, capsy
 
 
 def test_an_absolute_path_never_falls_back(tmp_path):
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="not found"):
         find_config(tmp_path / "tiny.yaml")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "tiny.yaml")
 
 
 def test_model_hf_configs_path_is_the_shipped_directory(tmp_path, monkeypatch):

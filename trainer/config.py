@@ -222,7 +222,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     sources: list[tuple[str, dict]] = []
     if path is not None:
-        path = find_config(path)[0]
+        try:
+            path = find_config(path)[0]
+        except FileNotFoundError as e:  # as every other problem of a config: a ConfigError
+            raise ConfigError(str(e)) from None
         where = str(path)
         data = _load_yaml(Path(path))
         for key in _leaf_keys(data):

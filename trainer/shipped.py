@@ -17,8 +17,6 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from trainer.schema import ConfigError
-
 __all__ = ["configs_dir", "find_config", "shipped_path", "shipped_configs", "format_configs"]
 
 _INSTALLED = Path(__file__).resolve().parent / "configs"  # where a wheel puts them
@@ -60,7 +58,7 @@ def find_config(spec: str | Path) -> tuple[Path, bool]:
         ``(path, shipped)``.
 
     Raises:
-        ConfigError: nothing of that name, with a did-you-mean among the shipped configs.
+        FileNotFoundError: nothing of that name, with a did-you-mean among the shipped configs.
     """
     path = Path(spec).expanduser()
     if path.exists():
@@ -76,7 +74,7 @@ def find_config(spec: str | Path) -> tuple[Path, bool]:
     names = list(shipped_configs())
     near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     hint = f"; did you mean '{near[0]}'?" if near else "."
-    raise ConfigError(
+    raise FileNotFoundError(
         f"config file not found: {spec}{hint} CONFIG is the path of a YAML file or the name of a config shipped "
         f"with trainer: {', '.join(names)} (`trainer configs` lists them)"
     )
