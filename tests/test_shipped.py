@@ -1,7 +1,10 @@
 """The shipped configs: `trainer fit tiny` by name, the working directory's file first, `trainer configs`, the
-did-you-mean for a mistyped name."""
+did-you-mean for a mistyped name, and the wheel that carries them (built here, run from outside the repository)."""
 
 import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,8 @@ import pytest
 from tests.conftest import FAST, ROOT, cli
 from trainer.config import ConfigError, load_config
 from trainer.shipped import configs_dir, find_config, shipped_path
+
+CONFIG_FILES = sorted(p.relative_to(ROOT / "configs") for p in (ROOT / "configs").rglob("*") if p.is_file())
 
 
 def _main_in(cwd: Path, capsys, *args):
@@ -117,3 +122,47 @@ def test_model_hf_configs_path_is_the_shipped_directory(tmp_path, monkeypatch):
     assert shipped_path("configs/../pyproject.toml") is None
     with pytest.raises(FileNotFoundError, match="no such directory"):
         _source("configs/hf/nope")
+
+
+def test_the_wheel_ships_the_configs_and_runs_them_from_anywhere(tmp_path):
+    # `python -m build` as the README gives it, without an isolated environment (build and hatchling are dev
+    # dependencies): the sdist, then the wheel from the sdist, about 3 s.
+    dist = tmp_path / "dist"
+    build = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(ROOT)]
+    r = subprocess.run(build, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wheel = next(dist.glob("compiled_trainer-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(tmp_path / "site")
+    assert {f"trainer/configs/{p.as_posix()}" for p in CONFIG_FILES} <= names
+    assert "trainer/configs/hf/llama-3.2-1b/config.json" in names
+    assert not any(n.startswith("configs/") for n in names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+
+    # The unpacked wheel, from a directory without configs: the names resolve to its own copy.
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    probe = "import trainer.shipped as s, trainer.models.hf as h; print(s.configs_dir(), h._source(sys.argv[1])[0])"
+    r = subprocess.run(
+        [sys.executable, "-c", f"import sys; {probe}", "configs/hf/llama-3.2-1b"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    shipped = tmp_path / "site/trainer/configs"
+    assert r.stdout.split() == [str(shipped), str(shipped / "hf/llama-3.2-1b")]
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer", "print-config", "tiny", "--no-help"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "name: tiny\n" in r.stdout
