@@ -258,11 +258,14 @@ def test_fsdp_a_model_that_cannot_be_built_on_meta_is_built_whole_with_a_warning
 
     cfg = load_config("configs/tiny.yaml", ["distributed.strategy=fsdp", "model.preset=null",
                                             f"model.target={__name__}:_ReadsItsWeights"])  # fmt: skip
-    rank1 = SimpleNamespace(distributed=True, rank=1)
+    rank1 = SimpleNamespace(distributed=True, rank=1, world_size=2)
     with pytest.warns(UserWarning, match="rank 1 could not build the model with its parameters on the meta device"):
         model = build.make_model(cfg, 256, torch.device("cpu"), rank1)
     assert model.lin.weight.device.type == "cpu"
-    assert build.make_model(cfg, 256, torch.device("cpu"), SimpleNamespace(distributed=False, rank=0)) is not None
+    assert (
+        build.make_model(cfg, 256, torch.device("cpu"), SimpleNamespace(distributed=False, rank=0, world_size=1))
+        is not None
+    )
 
 
 def test_strategy_none_under_torchrun_is_refused(tmp_path):

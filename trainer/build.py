@@ -13,8 +13,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from trainer import plan as plan_rules
 from trainer.config import Config, ConfigError
 from trainer.distributed.fsdp import is_sharded
+from trainer.plan import Strategy
 
 
 def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str:
@@ -57,7 +59,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
 
     m = cfg.model
     check_attention(cfg, device, amp_dtype(cfg.train.precision, device))
-    fsdp = env is not None and env.distributed and cfg.distributed.strategy == "fsdp"
+    fsdp = Strategy.of(cfg, env).fsdp
     if cfg.train.precision == "fp8":
         from trainer.precision import fp8
 
@@ -101,7 +103,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
 
 def fp8_all_gather(cfg: Config, env) -> bool:
     """Whether fp8 weights are all-gathered in float8: fsdp on several ranks with the tensorwise recipe."""
-    fsdp = env is not None and env.distributed and cfg.distributed.strategy == "fsdp"
+    fsdp = Strategy.of(cfg, env).fsdp
     return cfg.train.precision == "fp8" and fsdp and cfg.train.fp8_recipe == "tensorwise"
 
 
@@ -319,14 +321,12 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, env=Non
     kwargs = dict(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                   momentum=o.momentum, device=device)  # fmt: skip
     groups = param_groups(model, o.weight_decay)
-    if env is not None and env.distributed and d.strategy == "ddp" and d.shard_optimizer:
-        from trainer import plan as plans
+    if (strategy := Strategy.of(cfg, env)).zero:
         from trainer.distributed import zero
         from trainer.distributed.buckets import plan_buckets
 
         plan = plan_buckets(model, d.bucket_mb, cfg.compile.blocks, d.split_tail)
-        strategy = plans.Strategy(d.strategy, env.world_size, d.shard_optimizer)
-        impl, _ = plans.optim_impl(cfg, device, strategy, plans.precision(cfg.train.precision, device))
+        impl, _ = plan_rules.optim_impl(cfg, device, strategy, plan_rules.precision(cfg.train.precision, device))
         inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=impl, max_grad_norm=0.0, **kwargs)
         return zero.ShardedOptimizer(groups, plan, inner, max_grad_norm=o.grad_clip)
     opt = optimizer.build_optimizer(
@@ -388,9 +388,7 @@ def check_attention(cfg: Config, device: torch.device, dtype) -> None:
 
 def amp_dtype(precision: str, device: torch.device):
     """The autocast dtype of ``train.precision`` on ``device`` (None: fp32); the rule for auto: :mod:`trainer.plan`."""
-    from trainer import plan
-
-    return plan.AUTOCAST[plan.precision(precision, device)]
+    return plan_rules.AUTOCAST[plan_rules.precision(precision, device)]
 
 
 def grad_scaler(dtype, device: torch.device):
@@ -455,7 +453,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True,  # noqa:
     checkpoint_activations(model, cfg, say=say)  # before compile and DDP; under FSDP shard() did it already
     plan = splitter = None
     shards = getattr(opt, "shards", None)  # distributed.shard_optimizer: the plan the parameters were moved into
-    if env.distributed and strategy == "ddp":
+    if Strategy.of(cfg, env).ddp:
         from trainer.distributed import ddp
         from trainer.distributed.buckets import plan_buckets
 
@@ -496,9 +494,7 @@ def shard(model: nn.Module, cfg: Config, amp_dtype, env, say) -> None:
             say("fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP")
         blocks = dataclasses.replace(c, scope="blocks")
         apply_compile(model, blocks, say=say or (lambda m: None), hooks_outside=True)
-    from trainer import plan as plans
-
-    param_dtype = DTYPES[plans.param_dtype(d.param_dtype, plans.precision(cfg.train.precision, env.device))]
+    param_dtype = DTYPES[plan_rules.param_dtype(d.param_dtype, plan_rules.precision(cfg.train.precision, env.device))]
     units = fsdp_units(model, cfg)
     if say:  # the report's first line; `trainer explain` prints all of it
         say(describe_units(model, units, d.fsdp_unit_mb).split("\n", 1)[0])

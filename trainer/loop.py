@@ -74,7 +74,7 @@ class Trainer:
 
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
         amp_dtype = resolved.autocast
-        if env.distributed and cfg.distributed.strategy == "fsdp":
+        if resolved.strategy.fsdp:
             build.shard(raw_model, cfg, amp_dtype, env, say=say)
         opt = build.build_optimizer(raw_model, cfg, device, env)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))

@@ -49,6 +49,12 @@ class Strategy:
         """ddp with the optimizer state sharded over the ranks (``distributed.shard_optimizer``)."""
         return self.ddp and self.shard_optimizer
 
+    @classmethod
+    def of(cls, cfg: Config, env=None) -> Strategy:
+        """The strategy ``cfg`` asks for on ``env``'s ranks (:class:`trainer.distributed.env.DistEnv`; None: one)."""
+        world = env.world_size if env is not None and env.distributed else 1
+        return cls(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
+
     def __str__(self) -> str:
         if self.world == 1:
             return "one process"
@@ -209,7 +215,7 @@ def resolve(cfg: Config, env) -> Plan:
     device = env.device
     resolved, compile_why = compile_switches(cfg, device)
     t, d = cfg.train, cfg.distributed
-    strategy = Strategy(d.strategy, env.world_size, d.shard_optimizer)
+    strategy = Strategy.of(cfg, env)
     choices = []
     if t.device == "auto":
         choices.append(f"train.device=auto: {device} ({'CUDA is available' if device.type == 'cuda' else 'no CUDA'})")
