@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from trainer.distributed.env import every_rank
+from trainer.io import atomic_write_text
 from trainer.step import TrainingError
 
 META = "meta.json"
@@ -204,11 +205,7 @@ def save(
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(ckpt_root)
-        pointer = ckpt_root / f".{LAST}.tmp"
-        pointer.write_text(name + "\n")
-        with open(pointer, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(pointer, ckpt_root / LAST)
+        atomic_write_text(ckpt_root / LAST, name + "\n")
         _fsync_dir(ckpt_root)
 
     failed = _attempt(make_tmp, rank) if is_main else None

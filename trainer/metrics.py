@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from trainer.checkpoint import fault_point
 from trainer.distributed.env import per_rank
+from trainer.io import atomic_write_text
 
 # Dense bf16 peak FLOP/s by device-name substring, first match wins (datasheet numbers).
 # ``log.peak_flops`` overrides this; MFU is absent for devices not listed.
@@ -212,12 +213,7 @@ def drop_rows_after(path: Path, step: int) -> str | None:
         (past if row_step > step else keep).append((row_step, line))
     if not past and not torn:
         return None
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(line for _, line in keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line for _, line in keep))
     what = [f"{len(past)} row{'s' if len(past) > 1 else ''} (steps {past[0][0]}-{past[-1][0]})"] if past else []
     return " and ".join([*what, *([f"{torn} unreadable line{'s' if torn > 1 else ''}"] if torn else [])])
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.codec import Codec, load_tokenizer, parse_bpe, train_bpe
+from trainer.io import pid_alive
 
 META_FORMAT = 1
 CHUNK_CHARS = 1 << 20  # text per worker task: large enough to amortize the pickling, small enough to stream
@@ -111,18 +112,8 @@ def _remove_stale_tmp(out: Path) -> None:
     """Delete the ``DIR.tmp-<pid>`` left by a prepare that was killed (its process no longer runs)."""
     for d in out.parent.glob(f"{out.name}.tmp-*") if out.parent.is_dir() else []:
         pid = d.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _commit(tmp: Path, out: Path) -> None:

@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from trainer.distributed.env import DistEnv, every_rank, pid_alive, restart_warning
+from trainer.distributed.env import DistEnv, every_rank, restart_warning
+from trainer.io import pid_alive
 
 LOCK = ".lock"
 STARTS = "starts.jsonl"

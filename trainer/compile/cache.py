@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.io import atomic_write
+
 ARTIFACTS = "compile_cache.bin"
 
 
@@ -30,12 +32,7 @@ def save_artifacts(ckpt_root: Path) -> int:
     if not saved or not saved[0]:
         return 0
     data = saved[0]
-    tmp = ckpt_root / f".{ARTIFACTS}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt_root / ARTIFACTS)
+    atomic_write(ckpt_root / ARTIFACTS, data)
     return len(data)
 
 

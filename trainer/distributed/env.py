@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainer.io import pid_alive
+
 
 @dataclass
 class DistEnv:
@@ -254,21 +256,6 @@ class StopSignals:
     def on_any_rank(self, env: DistEnv) -> bool:
         """Whether a stop was asked for on any rank (a collective under torchrun: every rank must call it)."""
         return any_rank(self.requested, env)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` on this host is running (an exited process its parent has not reaped yet is not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"  # the state follows the command name
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): os.kill's answer stands
 
 
 def lost_peer(e: BaseException, env: DistEnv, timeout_s: float | None, wait_s: float = 5.0) -> tuple[str, bool] | None:
