@@ -238,6 +238,10 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
         return 0
     report = json.loads((Path(scratch) / "compile_report.json").read_text())
     print(format_text(report, verbose))
+    plan = json.loads((Path(scratch) / "plan.json").read_text())
+    print("plan: what each auto became (the run directory's plan.json)" if plan["choices"] else "plan: no auto")
+    for line in plan["choices"]:
+        print(f"  {line}")
     strategy = cfg.distributed.strategy
     if strategy in ("ddp", "fsdp") and "WORLD_SIZE" not in os.environ:
         print(f"distributed.strategy={strategy}: the plan each rank would follow under torchrun (this single process "
