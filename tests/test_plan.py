@@ -49,7 +49,7 @@ def test_what_auto_becomes_on_each_device_and_world():
     gpu = plan.resolve(cfg, _env("cuda:0"))
     assert (gpu.precision, gpu.autocast, gpu.optim_impl) == ("bf16", torch.bfloat16, "triton")
     assert gpu.cfg.compile.enabled and gpu.cfg.compile.cudagraphs
-    assert "optim.impl=auto: triton (ours for adamw on CUDA)" in gpu.choices
+    assert "optim.impl=auto: triton (trainer's Triton adamw on CUDA)" in gpu.choices
     fsdp = plan.resolve(load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=fsdp"]), _env("cuda:0", 2))
     assert fsdp.strategy.fsdp and (fsdp.optim_impl, fsdp.param_dtype) == ("fused", "bf16")
     assert not fsdp.cfg.compile.cudagraphs  # the graphed step is not for fsdp

@@ -163,7 +163,7 @@ def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_
     if device.type != "cuda":
         why = f"torch's foreach on {device.type}"
     elif impl == "triton":
-        why = f"ours for {o.name} on CUDA"
+        why = f"trainer's Triton {o.name} on CUDA"
     else:
         why = "torch's fused " + ("under fsdp" if strategy.fsdp else "with fp16's scaler" if precision_ == "fp16"
                                   else f"for {o.name}")  # fmt: skip

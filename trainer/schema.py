@@ -125,8 +125,8 @@ class OptimConfig:
     grad_clip: float = _f(1.0, ge=0.0)
     """Clip gradients to this global L2 norm (0 disables clipping)."""
     impl: str = _f("auto", choices=["auto", "eager", "foreach", "fused", "compiled", "triton"])
-    """Optimizer implementation: auto picks the fastest measured: on CUDA ours (triton) for adamw/adam, torch's
-    fused for sgd, fsdp or fp16; foreach elsewhere."""
+    """Optimizer implementation: auto picks the fastest measured: on CUDA trainer's Triton AdamW/Adam (triton) for
+    adamw/adam, torch's fused for sgd, fsdp or fp16; foreach elsewhere."""
 
     def __post_init__(self):
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -200,7 +200,7 @@ class CompileConfig:
     autograd: bool = False
     """Compiled autograd: the backward, with its hooks, captured as one graph."""
     kernels: Any = _f("auto", names=KERNEL_NAMES)
-    """Our Triton kernels substituted into the captured graphs wherever their pattern appears, in any model: auto
+    """trainer's Triton kernels substituted into the captured graphs wherever their pattern appears, in any model: auto
     (all on CUDA, none on CPU), all (also on CPU, where they run under TRITON_INTERPRET=1 or as torch code), none
     (plain Inductor), or a list of add_layer_norm, add_rms_norm, cross_entropy, linear_cross_entropy,
     causal_attention (a causal mask built in the graph becomes is_causal; repeated key/value heads become grouped
@@ -362,7 +362,7 @@ def _check_shard_optimizer(cfg: Config) -> None:
         why = ("not with train.precision=fp16 (its grad scaler unscales and checks whole gradients, which no rank "
                "has); use bf16 or fp32")  # fmt: skip
     elif cfg.optim.impl == "triton":
-        why = ("not with optim.impl=triton (our Triton optimizers move their parameters into flat buffers of their "
+        why = ("not with optim.impl=triton (trainer's Triton optimizers move their parameters into flat buffers of their "
                "own; a rank's shard must stay a view of its bucket's buffer); use auto (torch's fused on CUDA), fused, "
                "foreach, eager or compiled")  # fmt: skip
     if why:

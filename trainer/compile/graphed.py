@@ -67,7 +67,7 @@ def _requirements(cfg) -> list[tuple[bool, str, str]]:
             inductor_graphs,  # compile.mode's options, compile.inductor_options over them
             "compile.mode",
             "default or max-autotune-no-cudagraphs, and no compile.inductor_options.triton.cudagraphs=true "
-            "(Inductor's own CUDA graphs cannot nest in ours)",
+            "(Inductor's own CUDA graphs cannot nest in the step's graph)",
         ),
         (cfg.optim.name == "sgd", "optim.name", "adamw or adam (torch's SGD has no capturable mode)"),
         (
