@@ -362,8 +362,10 @@ def _check_shard_optimizer(cfg: Config) -> None:
         why = ("not with train.precision=fp16 (its grad scaler unscales and checks whole gradients, which no rank "
                "has); use bf16 or fp32")  # fmt: skip
     elif cfg.optim.impl == "triton":
-        why = ("not with optim.impl=triton (trainer's Triton optimizers move their parameters into flat buffers of their "
-               "own; a rank's shard must stay a view of its bucket's buffer); use auto (torch's fused on CUDA), fused, "
-               "foreach, eager or compiled")  # fmt: skip
+        why = (
+            "not with optim.impl=triton (trainer's Triton optimizers move their parameters into flat buffers of "
+            "their own; a rank's shard must stay a view of its bucket's buffer); use auto (torch's fused on CUDA), "
+            "fused, foreach, eager or compiled"
+        )
     if why:
         raise ConfigError(f"distributed.shard_optimizer: {why}")
