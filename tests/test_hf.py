@@ -320,13 +320,16 @@ def test_an_architecture_without_sdpa_runs_eager_attention_and_says_so(dirs, mon
     model = build_hf_model(str(dirs.llama))
     assert attention_of(model) == "eager" and model.hf.config._attn_implementation == "eager"
     cfg = load_config(None, [f"model.hf={dirs.llama}", f"data.path={dirs.text}"])
-    env = SimpleNamespace(world_size=1, distributed=False, device=torch.device("cpu"))
+    from trainer.distributed.env import DistEnv
+    from trainer.plan import resolve
+
+    the_plan = resolve(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None))
     corpus = SimpleNamespace(description="text", train=[0] * 10)
-    line = build.describe_run(cfg, env, model, corpus, None, 1024)
+    line = build.describe_run(the_plan, model, corpus, 1024)
     assert "attention: transformers' eager implementation (LlamaForCausalLM has no sdpa" in line, line
     monkeypatch.undo()
     assert attention_of(build_hf_model(str(dirs.llama))) == "sdpa"
-    assert "attention:" not in build.describe_run(cfg, env, build_hf_model(str(dirs.llama)), corpus, None, 1024)
+    assert "attention:" not in build.describe_run(the_plan, build_hf_model(str(dirs.llama)), corpus, 1024)
     # A token id past the vocabulary: the embedding's padding_idx assertion, as a user error naming the config.
     with pytest.raises(ValueError, match=r"LlamaConfig cannot be built from this config \(AssertionError: Padding"):
         build_hf_model(str(dirs.llama), overrides={"pad_token_id": 999})

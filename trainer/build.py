@@ -19,10 +19,12 @@ from trainer.distributed.fsdp import is_sharded
 from trainer.plan import Strategy
 
 
-def describe_path(cfg: Config, device: torch.device, opt, why: list[str]) -> str:
-    """The startup line that says which path the step runs and why: compiled or eager, graphed or not, kernels."""
+def describe_path(plan: plan_rules.Plan, opt) -> str:
+    """The startup line that says which path the step runs and why (the plan's choices of the compile switches):
+    compiled or eager, graphed or not, the optimizer, kernels."""
     from trainer.step import GRAPH_AFTER_STEPS
 
+    cfg, device, why = plan.cfg, plan.device, plan.compile_reasons
     c = cfg.compile
     path = f"compiled ({c.backend}, {'whole model' if c.scope == 'model' else 'each block'})" if c.enabled else "eager"
     if c.autograd:
@@ -194,20 +196,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def describe_run(cfg: Config, env, model: nn.Module, corpus, amp_dtype, tokens_per_step: int) -> str:
-    """The startup line that says what trains on what: parameters, data, device, precision, steps, run dir."""
+def describe_run(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_step: int) -> str:
+    """The startup line that says what trains on what: parameters, data, device and strategy, precision, steps,
+    run dir (from the plan)."""
     from trainer.models.hf import attention_of
 
+    cfg, device, strategy = plan.cfg, plan.device, plan.strategy
     n_params = sum(p.numel() for p in model.parameters())
-    ranks = f" x{env.world_size}" if env.distributed else ""
+    ranks = f" x{strategy.world} ({strategy})" if strategy.world > 1 else ""
     attention = attention_of(model)
     eager = (f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
              "transformers: slower, and it keeps the attention matrix)") if attention == "eager" else ""  # fmt: skip
-    cost = cpu_cost(cfg, model) if env.device.type == "cpu" else None
-    fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if cfg.train.precision == "fp8" else ""
-    precision = fp8 + precision_name(amp_dtype)
+    cost = cpu_cost(cfg, model) if device.type == "cpu" else None
+    fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if plan.precision == "fp8" else ""
+    precision = fp8 + precision_name(plan.autocast)
     return (f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
-            f"{len(corpus.train) / 1e6:.1f}M train tokens; device {env.device}{ranks}, {precision}; "
+            f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}{ranks}, {precision}; "
             f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}"
             + (f"\n[yellow]{cost}[/yellow]" if cost else ""))  # fmt: skip
 

@@ -87,8 +87,8 @@ class Trainer:
         model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print, opt=opt)
         train_step = build.train_step(model, raw_model, opt, scaler, cfg, env, say=metrics.print)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
-        metrics.print(build.describe_run(cfg, env, raw_model, corpus, amp_dtype, tokens_per_step))
-        metrics.print(build.describe_path(cfg, device, opt, resolved.compile_reasons))
+        metrics.print(build.describe_run(resolved, raw_model, corpus, tokens_per_step))
+        metrics.print(build.describe_path(resolved, opt))
         watcher = build.compile_watcher(cfg, say=metrics.print, model=raw_model)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
