@@ -10,10 +10,11 @@ from torch._dynamo.utils import counters
 
 from tests.conftest import FAST, ROOT, cli, losses
 from trainer.compile.autograd import compiled_autograd
-from trainer.compile.capture import apply_compile, find_blocks
+from trainer.compile.capture import apply_compile
 from trainer.config import load_config
 from trainer.loop import Trainer
 from trainer.models import build_model
+from trainer.models.blocks import find_blocks
 
 
 @pytest.fixture(autouse=True)

@@ -102,7 +102,7 @@ def test_fit_trains_and_the_first_loss_is_transformers_own(name, runs):
 
 
 def test_find_blocks_finds_the_decoder_layers_through_the_adapter(runs):
-    from trainer.compile.capture import find_blocks
+    from trainer.models.blocks import find_blocks
     from trainer.models.hf import HFCausalLM
 
     llama, gpt2 = runs["llama"].model, runs["gpt2"].model

@@ -106,3 +106,13 @@ def test_the_fit_loop_reads_top_to_bottom():
                 if inner is not outer and isinstance(inner, ast.FunctionDef):
                     length = inner.end_lineno - inner.lineno + 1
                     assert length <= 22, f"{path.name}: {outer.name}.{inner.name} is {length} lines"
+
+
+def test_models_import_nothing_above_them():
+    """trainer/models/ (the models, their blocks, checkpointing's wrapper, the meta-device check) is the bottom of
+    the package: it imports nothing of compile/, distributed/ or the run's modules, only the shipped files' lookup."""
+    allowed = {"trainer.shipped"}
+    for module, targets in _graph().items():
+        if module == "trainer.models" or module.startswith("trainer.models."):
+            above = {t for t in targets if not t.startswith("trainer.models")} - allowed
+            assert not above, f"{module} imports {sorted(above)}"

@@ -15,34 +15,6 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-
-def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList]:
-    """The repeated blocks: ``path`` if given, else the largest ModuleList whose children share one class.
-
-    Raises:
-        ValueError: ``path`` names no ModuleList, or the model has no repeated blocks.
-    """
-    if path is not None:
-        try:
-            blocks = model.get_submodule(path)
-        except AttributeError:
-            raise ValueError(f"compile.blocks: the model has no submodule '{path}'") from None
-        if not isinstance(blocks, nn.ModuleList):
-            raise ValueError(f"compile.blocks: '{path}' is a {type(blocks).__name__}, expected an nn.ModuleList")
-        return path, blocks
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(b) for b in mod}) == 1:
-            if best is None or len(mod) > len(best[1]):
-                best = (name, mod)
-    if best is None:
-        raise ValueError(
-            "compile.scope: blocks found no nn.ModuleList of one block class in the model; "
-            "name the blocks with compile.blocks=<path> or use compile.scope=model"
-        )
-    return best
-
-
 # Inductor options the trainer sets unless compile.inductor_options says otherwise; each one measured. Options
 # passed this way win over torch._inductor.config and its TORCHINDUCTOR_* environment variables.
 DEFAULT_INDUCTOR_OPTIONS = {
@@ -259,6 +231,8 @@ def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside:
         if not cfg.loss:
             say("compile.loss=false has no effect with compile.scope=model: the loss is inside the model's graph")
         return torch.compile(LossOnly(model), **kwargs)
+    from trainer.models.blocks import find_blocks
+
     _, blocks = find_blocks(model, cfg.blocks)
     for block in blocks:
         if hooks_outside:

@@ -100,7 +100,7 @@ Unit = tuple[str, list[tuple[str, nn.Parameter]]]  # (unit name, [(parameter nam
 
 def _units(model: nn.Module, blocks_path: str | None) -> tuple[list[Unit], str | None]:
     """``[(unit name, [(param name, param), ...]), ...]`` in forward (registration) order."""
-    from trainer.compile.capture import find_blocks
+    from trainer.models.blocks import find_blocks
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     try:
@@ -135,7 +135,7 @@ def plan_buckets(model: nn.Module, bucket_mb: float, blocks: str | None = None, 
         model: the unwrapped model (not compiled, not sharded).
         bucket_mb: the cap; a unit larger than it is a bucket of its own.
         blocks: the repeated blocks' path (``compile.blocks``); None finds them (see
-            :func:`trainer.compile.capture.find_blocks`) or packs per parameter if there are none.
+            :func:`trainer.models.blocks.find_blocks`) or packs per parameter if there are none.
         split_tail: the unit ready just before the last one is a bucket of its own (module docstring).
     """
     if bucket_mb <= 0:

@@ -117,8 +117,8 @@ def block_units(model: nn.Module, blocks: str | None, unit_mb: float | None) -> 
     blocks up to ``unit_mb`` MiB, without DDP's tail rule: units gain from being few) form one unit; units that
     are not blocks (embeddings, head) are left to the root. Without: one unit per block.
     """
-    from trainer.compile.capture import find_blocks
     from trainer.distributed.buckets import plan_buckets
+    from trainer.models.blocks import find_blocks
 
     path, block_list = find_blocks(model, blocks)
     if unit_mb is None:

@@ -4,7 +4,7 @@
 
 - its state-dict keys are the Hugging Face model's under ``hf.`` (:func:`save_pretrained` writes them without it);
 - the repeated blocks are where transformers keeps them, ``hf.model.layers`` (Llama, Mistral, Qwen) or
-  ``hf.transformer.h`` (GPT-2): :func:`trainer.compile.capture.find_blocks` finds them, and ``compile.blocks``
+  ``hf.transformer.h`` (GPT-2): :func:`trainer.models.blocks.find_blocks` finds them, and ``compile.blocks``
   names them by those paths;
 - tied embeddings (GPT-2's ``wte`` and ``lm_head``) are one ``nn.Parameter`` that ``.to(device)`` and
   ``load_state_dict`` keep shared.

@@ -1,6 +1,6 @@
 """Activation checkpointing: recompute the repeated blocks' activations in the backward instead of keeping them.
 
-The blocks are the ones ``compile.scope: blocks`` compiles and FSDP shards (:func:`trainer.compile.capture.find_blocks`:
+The blocks are the ones ``compile.scope: blocks`` compiles and FSDP shards (:func:`trainer.models.blocks.find_blocks`:
 the built-in GPT's ``transformer.h``, a nanoGPT-shaped model's, Hugging Face GPT-2's ``hf.transformer.h`` and Llama's
 ``hf.model.layers``). Each chosen block's ``forward`` is replaced by an instance attribute that runs the class's
 forward under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. Nothing is added to the module tree, so
@@ -94,7 +94,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 1
     assert mode in MODES, mode
     if mode == "none":
         return ""
-    from trainer.compile.capture import find_blocks
+    from trainer.models.blocks import find_blocks
 
     try:
         path, block_list = find_blocks(model, blocks)
