@@ -39,18 +39,18 @@ graphs, e.g. the loop at another world size, compiles warm), the final loss and 
 loss on random tokens stays near ln V (11.76 for Llama-3's 128256 tokens): a check of its initialisation; ours
 learns the bytes. A job that fails keeps the end of its stderr under ``error``; one that runs out of memory reads
 ``OOM`` in the table, so the largest micro-batch that fits a (model, world, ac) is the largest ``batch`` whose row
-has a number. World 2 rows show their scaling efficiency against the same (model, batch, row, ac) at world 1 when
-that ran; ours rows their ratio to the loop's. The JSON (``--out``) is rewritten after every job (a cut-off run
+has a number; within a call, the larger micro-batches of a (model, world, row, ac) that ran out of memory are
+skipped. A second table gives each row at its best: the fastest AC mode and micro-batch that ran, against the
+loop's and loop-fp8's best, and the largest micro-batch that fit per AC mode. World 2 rows show their scaling
+efficiency against the same (model, batch, row, ac) at world 1 when that ran; ours rows their ratio to the
+loop's. The JSON (``--out``) is rewritten after every job (a cut-off run
 keeps what finished) and keeps the entries of earlier calls under other keys, so several calls fill one file;
 each entry names its GPU. The Markdown table comes last.
 
 On 2 GPUs (80 GB each), the jobs that matter most first (a cut-off run keeps them): 1B at world 2, both rows,
 micro-batch 8; 8B at world 2 with full checkpointing (its fp32 parameters, gradients and AdamW states sharded over
 two GPUs take 64 GB per GPU before any activation, so only checkpointed rows at small micro-batches fit); 1B at
-world 1 for the scaling; then micro-batch 4. Most of a job's time is
-the compile and, for ours, building the model: rank 0 builds it on the CPU in fp32 (Hugging Face's random
-initialisation) and sends every rank its shards, where the loop builds it on the meta device and initialises the
-shards on the GPU:
+world 1 for the scaling; then micro-batch 4. Most of a job's time is the compile:
 
     python scripts/bench_fsdp.py --steps 10 --warmup 2 --timeout 300 --plan \\
         hf-llama-1b:2:8:loop:none hf-llama-1b:2:8:ours:none hf-llama-8b:2:2:loop:full hf-llama-8b:2:2:ours:full \\
@@ -394,8 +394,16 @@ def main() -> None:
            "matmul_peak_tflops": None}  # fmt: skip
     doc = {"run": run, "results": dict(old.get("results", {}))}  # this call's jobs replace those of the same key
     flops = {m: model_flops(a, m) for m in dict.fromkeys(parse_job(j)["model"] for j in jobs)}
+    ooms: dict[tuple, int] = {}  # (model, world, row, ac) -> the micro-batch that ran out of memory in this call
     for job in jobs:
+        j = parse_job(job)
+        key = (j["model"], j["world"], j["row"], j["ac"])
+        if key in ooms and j["batch"] > ooms[key]:  # a larger micro-batch needs more memory still
+            print(f"{job}: skipped (out of memory at micro-batch {ooms[key]} in this call)", flush=True)
+            continue
         res = _spawn(a, job)
+        if res.get("oom"):
+            ooms[key] = min(ooms.get(key, j["batch"]), j["batch"])
         run["gpu"] = run["gpu"] or res.get("gpu")
         run["matmul_peak_tflops"] = run["matmul_peak_tflops"] or res.get("matmul_peak_tflops")
         doc["results"][job] = entry = _entry(a, parse_job(job), res, flops, run)
@@ -405,6 +413,7 @@ def main() -> None:
         out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")
     print(table(doc))
+    print(best_table(doc))
 
 
 def _entry(a, job: dict, res: dict, flops: dict, run: dict) -> dict:
@@ -467,6 +476,42 @@ def table(doc: dict) -> str:
         mem = f"{e['peak_mem_gb']:.1f}" if e.get("peak_mem_gb") else "-"
         lines.append(f"{head} {_si(t)} | {vs} | {scaling} | {e['step_ms']:.1f} | {mfu} | {mfu_peak} | {mem} | "
                      f"{e['first_step_s']:.1f} | {e['process_wall_s']:.0f} | {e['final_loss']:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def best_table(doc: dict) -> str:
+    """Each row at its best, as a Markdown table: per (model, world, row) the fastest (AC, micro-batch) that ran,
+    against the fastest of the loop and of loop-fp8 at the same model and world, and the largest micro-batch that
+    fit for each AC mode tried."""
+    groups: dict[tuple, list[dict]] = {}
+    for e in doc["results"].values():
+        groups.setdefault((e["model"], e["world"], e["row"]), []).append(e)
+
+    def fastest(model, world, row) -> dict | None:
+        ran = [e for e in groups.get((model, world, row), []) if "tokens_per_s_per_gpu" in e]
+        return max(ran, key=lambda e: e["tokens_per_s_per_gpu"]) if ran else None
+
+    lines = ["\nEach row at its best (the fastest AC and micro-batch that ran):",
+             "| model | world | row | AC, B | tok/s/GPU | peak mem GB | vs loop's best | vs loop-fp8's best "
+             "| largest B that fit, per AC |", "|---" * 9 + "|"]  # fmt: skip
+    for model, world, row in sorted(groups, key=lambda k: (k[0], k[1], k[2] != "loop", k[2])):
+        best = fastest(model, world, row)
+        if best is None:
+            continue
+        t = best["tokens_per_s_per_gpu"]
+        vs = []
+        for base in ("loop", "loop-fp8"):
+            other = fastest(model, world, base) if row != base else None
+            vs.append(f"{t / other['tokens_per_s_per_gpu']:.3f}x" if other else "-")
+        fits = []
+        for ac in AC_MODES:
+            ran = [e["batch"] for e in groups[model, world, row] if e["ac"] == ac and "tokens_per_s_per_gpu" in e]
+            oom = [e["batch"] for e in groups[model, world, row] if e["ac"] == ac and e.get("oom")]
+            if ran or oom:
+                fits.append(f"{ac} {max(ran) if ran else '-'}" + (f" (OOM at {min(oom)})" if oom else ""))
+        mem = f"{best['peak_mem_gb']:.1f}" if best.get("peak_mem_gb") else "-"
+        lines.append(f"| {model} | {world} | {row} | {best['ac']}, {best['batch']} | {_si(t)} | {mem} | {vs[0]} | "
+                     f"{vs[1]} | {'; '.join(fits)} |")  # fmt: skip
     return "\n".join(lines)
 
 

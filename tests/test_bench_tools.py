@@ -215,3 +215,21 @@ def test_soak_refuses_bad_arguments(capsys):
         with pytest.raises(SystemExit) as e:
             _args(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
+
+
+def test_bench_fsdp_gives_each_row_at_its_best():
+    """The best-settings table: per (model, world, row) the fastest AC and micro-batch that ran, against the loop's
+    and loop-fp8's fastest at the same model and world, and the largest micro-batch that fit per AC mode."""
+    from scripts.bench_fsdp import best_table
+
+    def e(row, ac, batch, tps=None, oom=False):
+        out = {"model": "m", "world": 4, "row": row, "ac": ac, "batch": batch, "peak_mem_gb": 50.0}
+        return {**out, "tokens_per_s_per_gpu": tps} if tps else {**out, "oom": oom}
+
+    rows = [e("loop", "full", 4, 8600), e("loop", "selective", 4, 10200), e("loop", "none", 2, oom=True),
+            e("loop-fp8", "selective", 4, 13200), e("ours", "selective", 4, 14000), e("ours", "selective", 6, 12600),
+            e("ours", "selective", 8, oom=True)]  # fmt: skip
+    lines = best_table({"results": {str(i): r for i, r in enumerate(rows)}}).splitlines()
+    loop = "| m | 4 | loop | selective, 4 | 10.2K | 50.0 | - | 0.773x | none - (OOM at 2); full 4; selective 4 |"
+    assert loop in lines, lines
+    assert "| m | 4 | ours | selective, 4 | 14.0K | 50.0 | 1.373x | 1.061x | selective 6 (OOM at 8) |" in lines
