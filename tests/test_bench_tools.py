@@ -233,3 +233,30 @@ def test_bench_fsdp_gives_each_row_at_its_best():
     loop = "| m | 4 | loop | selective, 4 | 10.2K | 50.0 | - | 0.773x | none - (OOM at 2); full 4; selective 4 |"
     assert loop in lines, lines
     assert "| m | 4 | ours | selective, 4 | 14.0K | 50.0 | 1.373x | 1.061x | selective 6 (OOM at 8) |" in lines
+
+
+def test_bench_fsdp_skips_the_larger_micro_batches_of_a_setting_that_ran_out_of_memory(monkeypatch, tmp_path, capsys):
+    """Within a call: loop at B=4 runs out of memory, so its B=8 is not run; ours at B=8 still is."""
+    import scripts.bench_fsdp as bench
+
+    spawned = []
+
+    def fake_spawn(a, job):
+        spawned.append(job)
+        j = bench.parse_job(job)
+        if j["row"] == "loop" and j["batch"] >= 4:
+            return {"error": "CUDA out of memory", "oom": True}
+        return {"tokens_per_s_per_gpu": 1000.0 * j["batch"], "step_ms": 1.0, "first_step_s": 1.0,
+                "process_wall_s": 1.0, "final_loss": 1.0, "peak_mem_gb": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(bench, "_spawn", fake_spawn)
+    monkeypatch.setattr(bench, "model_flops", lambda a, m: 1.0)
+    monkeypatch.setattr("sys.argv", ["bench_fsdp.py", "--device", "cpu", "--tiny", "--models", "hf-llama-1b",
+                                     "--worlds", "2", "--batch", "2,4,8", "--rows", "loop,ours", "--ac", "none",
+                                     "--out", str(tmp_path / "r.json")])  # fmt: skip
+    bench.main()
+    assert spawned == ["hf-llama-1b:2:2:loop:none", "hf-llama-1b:2:2:ours:none", "hf-llama-1b:2:4:loop:none",
+                       "hf-llama-1b:2:4:ours:none", "hf-llama-1b:2:8:ours:none"]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "hf-llama-1b:2:8:loop:none: skipped (out of memory at micro-batch 4 in this call)" in out
+    assert "| hf-llama-1b | 2 | loop | none, 2 | 2.0K | 1.0 | - | - | none 2 (OOM at 4) |" in out
