@@ -238,10 +238,11 @@ def resolve(cfg: Config, env) -> Plan:
     if cfg.data.dtype == "auto":
         choices.append(f"data.dtype=auto: {ddtype} ({why})")
     attention = cfg.model.attention
-    if attention == "auto":
+    if cfg.model.target is not None or cfg.model.hf is not None:
+        attention = "the model's own (model.attention is the built-in GPT's)"
+    elif attention == "auto":
         attention = "sdpa (torch's kernel choice per call)"
-        if cfg.model.target is None and cfg.model.hf is None:
-            choices.append("model.attention=auto: scaled_dot_product_attention picks its kernel per call")
+        choices.append("model.attention=auto: scaled_dot_product_attention picks its kernel per call")
     return Plan(
         cfg=resolved, device=device, strategy=strategy, backend=env.backend, precision=prec, param_dtype=pdt,
         reduce_dtype=d.reduce_dtype, optim_impl=impl, data_dtype=ddtype, attention=attention,
