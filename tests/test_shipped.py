@@ -144,25 +144,15 @@ def test_the_wheel_ships_the_configs_and_runs_them_from_anywhere(tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+
+    def python(*args: str) -> subprocess.CompletedProcess:
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=work, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r
+
     probe = "import trainer.shipped as s, trainer.models.hf as h; print(s.configs_dir(), h._source(sys.argv[1])[0])"
-    r = subprocess.run(
-        [sys.executable, "-c", f"import sys; {probe}", "configs/hf/llama-3.2-1b"],
-        capture_output=True,
-        text=True,
-        cwd=work,
-        env=env,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
+    r = python("-c", f"import sys; {probe}", "configs/hf/llama-3.2-1b")
     shipped = tmp_path / "site/trainer/configs"
     assert r.stdout.split() == [str(shipped), str(shipped / "hf/llama-3.2-1b")]
-    r = subprocess.run(
-        [sys.executable, "-m", "trainer", "print-config", "tiny", "--no-help"],
-        capture_output=True,
-        text=True,
-        cwd=work,
-        env=env,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
+    r = python("-m", "trainer", "print-config", "tiny", "--no-help")
     assert "name: tiny\n" in r.stdout
