@@ -177,7 +177,7 @@ for case, overrides in json.loads(sys.argv[2]).items():
     build.seed_everything(cfg.seed)
     model = build.make_model(cfg, 256, env.device, env)
     on_meta = sorted({p.device.type for p in model.parameters()})
-    build.shard(model, cfg, None, env, say=None)
+    build.shard(model, cfg, env, say=None)
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     build.seed_everything(cfg.seed)  # the same model built whole in this process, as one process would
     whole = build.make_model(cfg, 256, env.device)

@@ -16,7 +16,6 @@ import torch.nn as nn
 from trainer import plan as plan_rules
 from trainer.config import Config, ConfigError
 from trainer.distributed.fsdp import is_sharded
-from trainer.plan import Strategy
 
 
 def describe_path(plan: plan_rules.Plan, opt) -> str:
@@ -61,7 +60,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
 
     m = cfg.model
     check_attention(cfg, device, amp_dtype(cfg.train.precision, device))
-    fsdp = Strategy.of(cfg, env).fsdp
+    fsdp = plan_rules.Strategy.of(cfg, env).fsdp
     if cfg.train.precision == "fp8":
         from trainer.precision import fp8
 
@@ -105,7 +104,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
 
 def fp8_all_gather(cfg: Config, env) -> bool:
     """Whether fp8 weights are all-gathered in float8: fsdp on several ranks with the tensorwise recipe."""
-    fsdp = Strategy.of(cfg, env).fsdp
+    fsdp = plan_rules.Strategy.of(cfg, env).fsdp
     return cfg.train.precision == "fp8" and fsdp and cfg.train.fp8_recipe == "tensorwise"
 
 
@@ -325,7 +324,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, env=Non
     kwargs = dict(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                   momentum=o.momentum, device=device)  # fmt: skip
     groups = param_groups(model, o.weight_decay)
-    if (strategy := Strategy.of(cfg, env)).zero:
+    if (strategy := plan_rules.Strategy.of(cfg, env)).zero:
         from trainer.distributed import zero
         from trainer.distributed.buckets import plan_buckets
 
@@ -457,7 +456,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True,  # noqa:
     checkpoint_activations(model, cfg, say=say)  # before compile and DDP; under FSDP shard() did it already
     plan = splitter = None
     shards = getattr(opt, "shards", None)  # distributed.shard_optimizer: the plan the parameters were moved into
-    if Strategy.of(cfg, env).ddp:
+    if plan_rules.Strategy.of(cfg, env).ddp:
         from trainer.distributed import ddp
         from trainer.distributed.buckets import plan_buckets
 
@@ -481,7 +480,7 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True,  # noqa:
     return model, splitter
 
 
-def shard(model: nn.Module, cfg: Config, amp_dtype, env, say) -> None:
+def shard(model: nn.Module, cfg: Config, env, say) -> None:
     """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard; every rank's
     shards are then rank 0's values (``model`` as :func:`make_model` built it under fsdp)."""
     import dataclasses

@@ -73,12 +73,11 @@ class Trainer:
             from trainer.compile import cache
 
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
-        amp_dtype = resolved.autocast
         if resolved.strategy.fsdp:
-            build.shard(raw_model, cfg, amp_dtype, env, say=say)
+            build.shard(raw_model, cfg, env, say=say)
         opt = build.build_optimizer(raw_model, cfg, device, env)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
-        scaler = build.grad_scaler(amp_dtype, device)
+        scaler = build.grad_scaler(resolved.autocast, device)
         ckpts = Checkpointer(run_dir, cfg, env, raw_model, opt, sched, scaler, batches)
         step, tokens = ckpts.begin(start)  # resumed (resume=auto: if there is a checkpoint), or fresh at 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.

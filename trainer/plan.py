@@ -157,8 +157,8 @@ def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_
 
     o = cfg.optim
     if strategy.zero:
-        impl = "fused" if o.impl == "auto" and device.type == "cuda" else o.impl
-        return ("foreach" if impl == "auto" else impl), "the sharded optimizer's update of each shard"
+        impl = o.impl if o.impl != "auto" else "fused" if device.type == "cuda" else "foreach"
+        return impl, "the sharded optimizer's update of each shard"
     impl = resolve_impl(o.impl, device, name=o.name, sharded=strategy.fsdp, scaled=precision_ == "fp16")
     if device.type != "cuda":
         why = f"torch's foreach on {device.type}"
