@@ -56,7 +56,6 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
         ValueError: the model cannot be built, or cannot take the data's sequences or token ids.
     """
     from trainer.distributed.fsdp import parameters_on_meta
-    from trainer.models import build_model
 
     m = cfg.model
     check_attention(cfg, device, amp_dtype(cfg.train.precision, device))
@@ -67,11 +66,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
         fp8.check_available(device)  # before anything is built: exit 2 where float8 cannot run
 
     def build(pretrained: bool) -> nn.Module:
-        return build_model(
-            preset=m.preset, vocab_size=vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-            n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=m.attention, target=m.target,
-            kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=pretrained,
-        )  # fmt: skip
+        return build_model_of(cfg, vocab_size, pretrained)
 
     def whole() -> nn.Module:  # one process's model, or rank 0's
         if m.pretrained or device.type != "cuda":
@@ -100,6 +95,18 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
                       f"({type(e).__name__}: {e}); building it whole", stacklevel=1)  # fmt: skip
         model = build(False)
     return ready(model, None)  # rank 0 speaks for all
+
+
+def build_model_of(cfg: Config, vocab_size: int, pretrained: bool) -> nn.Module:
+    """The config's model, built where the default device says, without the checks of :func:`make_model`."""
+    from trainer.models import build_model
+
+    m = cfg.model
+    return build_model(
+        preset=m.preset, vocab_size=vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+        n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=m.attention, target=m.target,
+        kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=pretrained,
+    )  # fmt: skip
 
 
 def fp8_all_gather(cfg: Config, env) -> bool:

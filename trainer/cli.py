@@ -1,4 +1,4 @@
-"""``trainer fit | configs | print-config | explain | prepare | sample | plot | export``: a thin argparse front end.
+"""``trainer fit | tune | configs | print-config | explain | prepare | sample | plot | export``: a thin argparse front end.
 
 User errors (config, overrides, files, checkpoints) print one paragraph to stderr and exit 2,
 with no traceback (``TRAINER_DEBUG=1`` shows it). Everything else is a bug and keeps its traceback.
@@ -21,6 +21,8 @@ USAGE_EXAMPLES = """examples:
   torchrun --nproc-per-node 2 -m trainer fit configs/gpt2-small-ddp.yaml
   torchrun --nproc-per-node 2 --max-restarts 3 -m trainer fit configs/gpt2-small-ddp.yaml resume=auto
   trainer print-config configs/tiny.yaml
+  trainer explain --memory configs/llama-1b.yaml
+  trainer tune configs/llama-1b.yaml train.grad_accum=16 --budget-s 420
   trainer plot runs/tiny runs/tiny-lr3e-4
   trainer prepare --out data/stdlib-bpe
   trainer fit configs/llama-1b.yaml data.path=data/stdlib-bpe
@@ -66,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
     e.add_argument("--dump-code", metavar="DIR", help="write the code Inductor generated, per graph, into DIR")
     e.add_argument("--verbose", action="store_true", help="also list the kernel patterns nearly matched, and why not")
+    e.add_argument("--memory", action="store_true",
+                   help="predict the peak memory per rank, by part, from short runs of each checkpointing mode, and "
+                   "the largest micro-batch that fits")  # fmt: skip
+    t = sub.add_parser("tune", help="find the fastest micro-batch, checkpointing, bucket size and precision by "
+                       "measurement; writes CONFIG.tuned.yaml")  # fmt: skip
+    t.add_argument("config", help=CONFIG_HELP)
+    t.add_argument("overrides", nargs="*", help="key=value overrides, applied before the search")
+    t.add_argument("--budget-s", type=float, default=600.0, help="wall-clock seconds to spend (default 600)")
     pl = sub.add_parser("plot", help="plot loss, tokens/s and lr of one or more runs to a PNG")
     pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (holding metrics.jsonl)")
     pl.add_argument("-o", "--out", help="PNG path (default: <first run>/plot.png)")
@@ -178,12 +188,25 @@ def _run(args) -> int:
         from trainer.sample import main as sample
 
         return sample(args)
-    args.config = _config_file(args.config)
+    given, args.config = args.config, _config_file(args.config)
     overrides, resume = _split_resume(args.overrides)
     if args.command == "explain" and resume:
         raise ValueError("resume: not supported by explain")
+    if args.command == "explain" and args.memory:
+        from trainer.tune import explain_memory
+
+        return explain_memory(args.config, overrides)
     if args.command == "explain":
         return _explain(args.config, overrides, args.steps, args.dump_code, args.verbose)
+    if args.command == "tune":
+        from trainer.shipped import find_config
+        from trainer.tune import tune
+
+        if resume:
+            raise ValueError("resume: not supported by tune")
+        if args.budget_s <= 0:
+            raise ValueError(f"--budget-s: expected a positive number of seconds, got {args.budget_s:g}")
+        return tune(args.config, overrides, args.budget_s, shipped=find_config(given)[1])
     cfg = load_config(args.config, overrides)
     from trainer.loop import Trainer, TrainingError
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer import build, plan, rundir
+from trainer import build, memory, plan, rundir
 from trainer.checkpoint import Checkpointer
 from trainer.compile.report import RecompileLimitError
 from trainer.config import Config
@@ -55,13 +55,13 @@ class Trainer:
             dist_env.teardown(env, failed=sys.exc_info()[0] is not None)  # an exception on its way out
 
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
-        device, say = env.device, (lambda m: print(m, flush=True)) if env.is_main else None
+        device, say = env.device, (lambda m: m and print(m, flush=True)) if env.is_main else None
         resolved = plan.resolve(self.cfg, env)  # every auto, once: the compile switches the fastest path here
         cfg = resolved.cfg
         run_dir = Path(cfg.run.dir)
         build.seed_everything(cfg.seed)
-        # The data, the model (checked against the data, sharded before the optimizer exists), the optimizer and its
-        # schedule; a resume's state. The run directory is written once the data and the model are known to fit.
+        # The data, the model (checked against the data), the optimizer and schedule; a resume's state. The run
+        # directory is written once the data and the model are known to fit (and the memory predicted).
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip
         batches = build.batches(cfg, corpus, env)
@@ -69,6 +69,7 @@ class Trainer:
         if env.is_main:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             resolved.write(run_dir)  # config.yaml and plan.json
+            say(memory.startup_note(self.cfg, raw_model, env.world_size, resolved.device_memory))  # None on CPU
         if compiling := cfg.compile.enabled or cfg.compile.autograd:
             from trainer.compile import cache
 

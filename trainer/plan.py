@@ -78,6 +78,8 @@ class Plan:
         attention: the built-in GPT's attention kernel: torch's choice per call, or the one named.
         checkpointing: ``train.activation_checkpointing`` (none, full, selective).
         choices: one line per ``auto``: what it became and why.
+        device_memory: the device's memory in bytes (CUDA), None elsewhere.
+        capability: the CUDA device's compute capability, e.g. ``(9, 0)``; None elsewhere.
     """
 
     cfg: Config
@@ -92,6 +94,8 @@ class Plan:
     attention: str
     checkpointing: str
     choices: tuple[str, ...] = field(default=())
+    device_memory: int | None = None
+    capability: tuple[int, int] | None = None
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -108,6 +112,8 @@ class Plan:
         c = self.cfg.compile
         return {
             "train.device": str(self.device),
+            "device.memory_gb": None if self.device_memory is None else round(self.device_memory / 1e9, 3),
+            "device.capability": None if self.capability is None else ".".join(map(str, self.capability)),
             "world": self.strategy.world,
             "distributed.strategy": self.strategy.name if self.strategy.world > 1 else "none",
             "distributed.backend": self.backend or "none",
@@ -246,5 +252,13 @@ def resolve(cfg: Config, env) -> Plan:
     return Plan(
         cfg=resolved, device=device, strategy=strategy, backend=env.backend, precision=prec, param_dtype=pdt,
         reduce_dtype=d.reduce_dtype, optim_impl=impl, data_dtype=ddtype, attention=attention,
-        checkpointing=t.activation_checkpointing, choices=tuple(choices),
+        checkpointing=t.activation_checkpointing, choices=tuple(choices), **_device_facts(device),
     )  # fmt: skip
+
+
+def _device_facts(device: torch.device) -> dict:
+    """The CUDA device's memory and compute capability (nothing elsewhere, nor for a plan made without the GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return {}
+    props = torch.cuda.get_device_properties(device)
+    return {"device_memory": props.total_memory, "capability": (props.major, props.minor)}

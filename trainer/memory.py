@@ -1,0 +1,317 @@
+"""Peak device memory per rank, predicted from the plan before anything is allocated.
+
+The prediction is a sum of parts:
+
+- **parameters, gradients and optimizer state**, counted from the model's shapes (built on the meta device: no
+  memory) by the strategy and the dtypes: fp32 parameters and gradients, one fp32 tensor per optimizer state
+  (AdamW two, SGD with momentum one), all three divided by the world under fsdp, the state alone under
+  ``distributed.shard_optimizer``;
+- **fsdp's gathered parameters**: two units in ``distributed.param_dtype`` (the one computing, the one prefetched),
+  or every unit with ``distributed.reshard_after_forward=false``;
+- **the workspace**: cuBLAS's, a fixed 64 MiB on CUDA;
+- **the optimizer step's temporaries** (torch's ``foreach`` Adam keeps one fp32 tensor per parameter; ``fused``
+  and the Triton optimizer none), which replace the activations once the backward has freed them: the peak is
+  the larger of the two;
+- **activations**: bytes per sequence for each checkpointing mode, measured. One short run of the model at one
+  micro-batch (a *probe*: ``trainer explain --memory`` and ``trainer tune`` make them) gives a peak; what the
+  counted parts do not explain, divided by the micro-batch, is the mode's bytes per sequence. With two measured
+  micro-batches of a mode, a line through them also fits the constant the counted parts miss. Under the graphed
+  step the activations live in the step's CUDA-graph pool: its peak is the measured one.
+
+On CUDA the probe's peak is ``torch.cuda.max_memory_allocated``; on CPU it is the peak of live tensor bytes during
+one step (:class:`LiveBytes`). A device's capacity is :data:`USABLE` of its memory: the rest holds the CUDA
+context, NCCL's buffers and what the caching allocator cannot reuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer.config import Config, to_dict
+
+MODES = ("none", "selective", "full")
+USABLE = 0.90  # of the device's memory, for the allocator's peak
+WORKSPACE = 64 * 2**20  # cuBLAS's workspace on CUDA
+GB = 1e9
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2}  # fp32 tensors per parameter; sgd: one with momentum, else none
+
+
+def model_on_meta(cfg: Config, vocab_size: int) -> nn.Module:
+    """The config's model with its parameters on the meta device: shapes and dtypes, no memory."""
+    from trainer.build import build_model_of
+
+    with torch.device("meta"):
+        return build_model_of(cfg, vocab_size, pretrained=False)
+
+
+def static_parts(model: nn.Module, cfg: Config, world: int = 1, device_type: str = "cuda") -> dict[str, tuple[float, str]]:
+    """Bytes per rank of what does not scale with the micro-batch, by part, each with how it was counted."""
+    from trainer.distributed.fsdp import block_units
+    from trainer.plan import Strategy
+
+    strategy = Strategy(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    stored = sum(p.numel() * p.element_size() for p in params)
+    shard = world if strategy.fsdp else 1
+    states = OPTIMIZER_STATES.get(cfg.optim.name, 1 if cfg.optim.momentum > 0 else 0)
+    state_shard = world if strategy.fsdp or strategy.zero else 1
+    on = f" / {shard} ranks" if shard > 1 else ""
+    parts = {
+        "parameters": (stored / shard, f"{_count(n)}, {_dtype_name(params)}{on}"),
+        "gradients": (stored / shard, f"as the parameters{on}"),
+        "optimizer state": (n * 4 * states / state_shard,
+                            f"{cfg.optim.name}: {states} fp32 per parameter" + (f" / {state_shard} ranks" if state_shard > 1 else "")),  # fmt: skip
+    }
+    if strategy.fsdp:
+        gathered_bytes = 2 if cfg.distributed.param_dtype in ("auto", "bf16", "fp16") else 4
+        if not cfg.distributed.reshard_after_forward:
+            parts["gathered (fsdp)"] = (n * gathered_bytes, "every unit stays gathered from forward to backward")
+        else:
+            try:
+                units = block_units(model, cfg.compile.blocks, cfg.distributed.fsdp_unit_mb or None)
+                unit = max(sum(p.numel() for m in u for p in m.parameters()) for u in units)
+            except ValueError:  # no repeated blocks: one unit
+                unit = n
+            parts["gathered (fsdp)"] = (2 * unit * gathered_bytes, "two units: the one computing, the one prefetched")
+    if device_type == "cuda":
+        parts["workspace"] = (WORKSPACE, "cuBLAS")
+    return parts
+
+
+def step_transient(model: nn.Module, cfg: Config, world: int = 1, device_type: str = "cuda") -> tuple[float, str]:
+    """The optimizer step's own temporaries: torch's ``foreach`` AdamW/Adam keeps one fp32 tensor per parameter
+    (its denominators) while it runs; ``fused`` and the Triton optimizer none to count. The step runs after the
+    backward has freed the activations: the peak is the larger of the two."""
+    from trainer.compile.optimizer import resolve_impl
+    from trainer.plan import Strategy
+
+    strategy = Strategy(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
+    impl = resolve_impl(cfg.optim.impl, device_type, name=cfg.optim.name, sharded=strategy.fsdp)
+    if impl != "foreach" or cfg.optim.name not in OPTIMIZER_STATES:
+        return 0.0, f"{impl}: none counted"
+    shard = world if strategy.fsdp or strategy.zero else 1
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return n * 4 / shard, "foreach: one fp32 temporary per parameter"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _dtype_name(params: list[nn.Parameter]) -> str:
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+    return "/".join(dtypes)
+
+
+@dataclass
+class Point:
+    """One measured run: the checkpointing mode, the micro-batch, its peak bytes (None: out of memory) and its
+    throughput (tokens/s per rank's share: the run's tokens/s)."""
+
+    mode: str
+    micro_batch: int
+    peak: float | None
+    tokens_per_s: float | None = None
+    status: str = "ok"
+    overrides: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    predicted: float | None = None  # the estimate's peak before the run
+
+
+@dataclass
+class Estimate:
+    """The prediction: the counted parts, and the activations of each mode from the measured points."""
+
+    parts: dict[str, tuple[float, str]]
+    seq_len: int
+    capacity: float | None = None  # bytes the allocator may reach on this device; None: unknown (CPU)
+    points: list[Point] = field(default_factory=list)
+    transient: tuple[float, str] = (0.0, "")  # the optimizer step's temporaries (step_transient)
+
+    @property
+    def static(self) -> float:
+        return sum(b for b, _ in self.parts.values())
+
+    def fit(self, mode: str) -> tuple[float, float] | None:
+        """``(bytes per sequence, constant beyond the counted parts)`` of ``mode``, or None before a probe.
+        One measured micro-batch: the line through the counted parts; two or more: the least-squares line."""
+        pts = [(p.micro_batch, p.peak) for p in self.points if p.mode == mode and p.peak is not None]
+        sizes = {b for b, _ in pts}
+        if not pts:
+            return None
+        if len(sizes) == 1:
+            b = sum(b for b, _ in pts) / len(pts)
+            return max(0.0, (sum(y for _, y in pts) / len(pts) - self.static) / b), 0.0
+        mb = sum(b for b, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        slope = sum((b - mb) * (y - my) for b, y in pts) / sum((b - mb) ** 2 for b, _ in pts)
+        return max(0.0, slope), my - slope * mb - self.static
+
+    def peak(self, mode: str, micro_batch: int) -> float | None:
+        """The predicted peak bytes of ``mode`` at ``micro_batch``; None before the mode has a probe."""
+        f = self.fit(mode)
+        return None if f is None else self.static + max(f[1] + micro_batch * f[0], self.transient[0])
+
+    def fits(self, mode: str, micro_batch: int) -> bool | None:
+        """Whether ``micro_batch`` is predicted to fit; None where unknown (no probe, or no known capacity).
+        A micro-batch measured out of memory never fits, nor does any larger one of the mode."""
+        if any(p.mode == mode and p.status == "out of memory" and p.micro_batch <= micro_batch for p in self.points):
+            return False
+        peak = self.peak(mode, micro_batch)
+        if peak is None or self.capacity is None:
+            return None
+        return peak <= self.capacity
+
+    def largest(self, mode: str, sizes: list[int]) -> int | None:
+        """The largest of ``sizes`` predicted to fit (None: none does, or unknown)."""
+        fitting = [b for b in sizes if self.fits(mode, b)]
+        return max(fitting) if fitting else None
+
+    def describe(self, sizes: list[int], title: str) -> str:
+        """The parts, and per mode the bytes per sequence and the largest micro-batch of ``sizes`` that fits."""
+        lines = [title]
+        for name, (b, why) in self.parts.items():
+            lines.append(f"  {name:<17} {size(b):>9}   {why}")
+        lines.append(f"  {'counted':<17} {size(self.static):>9}")
+        if self.transient[0]:
+            lines.append(f"  {'optimizer step':<17} {size(self.transient[0]):>9}   {self.transient[1]}; while it runs, "
+                         "in place of the activations")  # fmt: skip
+        cap = f"; the device allows {size(self.capacity)} ({USABLE:.0%} of its memory)" if self.capacity else ""
+        lines.append(f"activations per sequence of {self.seq_len} tokens, measured{cap}:")
+        for mode in MODES:
+            f = self.fit(mode)
+            if f is None:
+                lines.append(f"  {mode:<10} not measured")
+                continue
+            probes = sorted({p.micro_batch for p in self.points if p.mode == mode and p.peak is not None})
+            extra = f", constant {size(f[1], sign=True)}" if f[1] else ""
+            fits = ""
+            if self.capacity:
+                best = self.largest(mode, sizes)
+                fits = f"; largest micro-batch that fits: {best} ({size(self.peak(mode, best))})" if best else \
+                    "; no micro-batch fits"  # fmt: skip
+            lines.append(f"  {mode:<10} {size(f[0]):>9}{extra} (measured at micro-batch "
+                         f"{', '.join(map(str, probes))}){fits}")  # fmt: skip
+        return "\n".join(lines)
+
+
+def size(b: float, sign: bool = False) -> str:
+    """Bytes in GB, or MB below 1 GB."""
+    s = "+" if sign else ""
+    return f"{b / GB:{s}.2f} GB" if abs(b) >= GB else f"{b / 1e6:{s}.1f} MB"
+
+
+def memory_key(cfg: Config, world: int) -> str:
+    """What a probe's measurement depends on beyond the micro-batch and the checkpointing mode: the config without
+    its batch, checkpointing, length, logging and run keys, and the world."""
+    d = to_dict(cfg)
+    for section in ("run", "log", "checkpoint", "schedule"):
+        d.pop(section, None)
+    for key in ("micro_batch_size", "grad_accum", "activation_checkpointing", "steps", "stop_at", "eval_every",
+                "eval_batches"):  # fmt: skip
+        d.get("train", {}).pop(key, None)
+    d.get("compile", {}).pop("cache_dir", None)
+    d["world"] = world
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+def work_dir(cfg: Config) -> Path:
+    """Where ``trainer explain --memory`` and ``trainer tune`` keep their measurements, short runs and compile
+    cache: ``<run.dir>.tune``."""
+    run = Path(cfg.run.dir)
+    return run.with_name(run.name + ".tune")
+
+
+def load_points(path: Path, key: str) -> list[Point]:
+    """The measured points of ``path`` (``measured.json``) whose key is ``key``."""
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+    return [Point(**r["point"]) for r in rows if r.get("key") == key]
+
+
+def save_point(path: Path, key: str, point: Point) -> None:
+    """Append ``point`` under ``key`` to ``path`` (written whole, atomically)."""
+    from trainer.io import atomic_write_text
+
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        rows = []
+    rows.append({"key": key, "point": dataclasses.asdict(point)})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(path), json.dumps(rows, indent=1) + "\n")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensor storages every op inside creates while they live, on one device type, and
+    their peak: the memory a step allocates on a device without an allocator's statistics (the CPU).
+
+    Storages that existed before (parameters, gradients, optimizer state) are not counted: add them."""
+
+    def __init__(self, device_type: str = "cpu"):
+        super().__init__()
+        self.device_type, self.live, self.peak = device_type, 0, 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}  # an in-place op's or a view's output is not new memory
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                if t.untyped_storage().data_ptr() not in inputs:
+                    self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage) -> None:
+        ptr = storage.data_ptr()
+        if ptr in self._seen or storage.nbytes() == 0:
+            return
+        self._seen.add(ptr)
+        n = storage.nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, ptr, n)
+
+    def _free(self, ptr: int, n: int) -> None:
+        self._seen.discard(ptr)
+        self.live -= n
+
+
+def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int | None) -> str | None:
+    """The line ``trainer fit`` prints before step 1 (None on the CPU): the predicted peak per rank against what the
+    device allows, with a warning when it exceeds it. The activations come from the measurements of ``trainer
+    explain --memory`` or ``trainer tune`` of this config (``<run.dir>.tune/measured.json``); without them only
+    the counted parts are checked."""
+    if device_memory is None:
+        return None
+    est = Estimate(static_parts(model, cfg, world, "cuda"), cfg.data.seq_len, USABLE * device_memory,
+                   transient=step_transient(model, cfg, world, "cuda"))  # fmt: skip
+    est.points = load_points(work_dir(cfg) / "measured.json", memory_key(cfg, world))
+    t = cfg.train
+    mode, b = t.activation_checkpointing, t.micro_batch_size
+    peak = est.peak(mode, b)
+    if peak is None:
+        if est.static <= est.capacity:
+            return None
+        return (f"warning: memory: the parameters, gradients and optimizer state alone need {size(est.static)} per "
+                f"rank, more than the {size(est.capacity)} this GPU allows ({USABLE:.0%} of its memory); shard "
+                "them: distributed.strategy=fsdp over more GPUs")  # fmt: skip
+    said = f"memory: predicted peak {size(peak)} per rank of the {size(est.capacity)} this GPU allows " \
+           f"(micro-batch {b}, train.activation_checkpointing={mode}; activations measured in {work_dir(cfg)})"  # fmt: skip
+    if peak <= est.capacity:
+        return said
+    best = est.largest(mode, [x for x in range(1, b) if (b * t.grad_accum) % x == 0])
+    hint = f"; micro-batch {best} is predicted to fit" if best else ""
+    return f"warning: {said}: it will likely run out of memory{hint} (trainer tune searches)"

@@ -1,0 +1,521 @@
+"""``trainer tune`` and ``trainer explain --memory``: settings measured in short runs, memory predicted from them.
+
+Each candidate is a short ``trainer fit`` in a child process (:class:`Runner`): 12 steps, the throughput of the
+last 4 (after the compile and the CUDA graph's capture), the peak memory of all of them. An out-of-memory run is
+caught there and recorded. The runs share one compile cache in the work directory (``<run.dir>.tune``), which
+also keeps every measurement (``measured.json``) for the memory model (:mod:`trainer.memory`) of later commands.
+
+Under ``torchrun`` every rank of ``trainer tune`` takes part: rank 0 chooses each candidate, the first rank of
+each node launches the candidate's own ``torchrun`` for its node's GPUs, and the tune processes themselves never
+touch a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config, load_config, to_yaml
+from trainer.memory import (GB, MODES, Estimate, Point, load_points, memory_key, save_point, static_parts,
+                            step_transient, work_dir)
+
+STEPS, LOG_EVERY = 12, 4  # a candidate's run: rows at 4 (compile, capture), 8 and 12 (steady)
+GRID = [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+CHILD_ENV_DROP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+
+
+@dataclass
+class World:
+    """The tune process's place under torchrun (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        e = os.environ
+        return cls(int(e.get("RANK", 0)), int(e.get("WORLD_SIZE", 1)), int(e.get("LOCAL_RANK", 0)),
+                   int(e.get("LOCAL_WORLD_SIZE", 1)), int(e.get("GROUP_RANK", 0)))  # fmt: skip
+
+    def broadcast(self, obj):
+        """``obj`` of rank 0, on every rank (the tune processes' own gloo group)."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+@dataclass
+class Runner:
+    """Runs candidates: ``trainer fit CONFIG *overrides *candidate`` for :data:`STEPS` steps in the work dir."""
+
+    config: str
+    overrides: list[str]
+    work: Path
+    world: World = field(default_factory=World)
+    deadline: float | None = None  # time.monotonic() past which a running candidate is stopped
+    say: object = print
+    steps: int = STEPS
+    log_every: int = LOG_EVERY
+
+    def run(self, mode: str, micro_batch: int, overrides: list[str], predicted: float | None = None) -> Point:
+        """One candidate's measurement (on rank 0; the other ranks' copies carry no numbers)."""
+        slug = "_".join(o.split("=", 1)[1].replace("/", "-") for o in overrides) or "as-given"
+        run_dir = self.work / "runs" / slug
+        forced = [f"train.steps={self.steps + 1}", f"train.stop_at={self.steps}", "train.eval_every=0",
+                  "checkpoint.enabled=false", f"log.every={self.log_every}", "log.progress=false", f"run.dir={run_dir}",
+                  f"compile.cache_dir={self.work / 'compile_cache'}"]  # fmt: skip
+        args = ["fit", self.config, *self.overrides, *overrides, *forced]
+        port = self.world.broadcast(_free_port() if self.world.rank == 0 else None)
+        started = time.monotonic()
+        code = None
+        if self.world.local_rank == 0:
+            if self.world.rank == 0:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            code = self._launch(args, port, run_dir.with_suffix(f".{self.world.node_rank}.log"))
+        codes = self._gather(code)
+        seconds = time.monotonic() - started
+        point = Point(mode, micro_batch, None, overrides=overrides)
+        if self.world.rank != 0:
+            return point
+        log = run_dir.with_suffix(".0.log").read_text(errors="replace") if run_dir.with_suffix(".0.log").exists() else ""
+        rows = _rows(run_dir / "metrics.jsonl")
+        tps = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
+        peaks = [r["peak_mem_gb"] for r in rows if r.get("peak_mem_gb") is not None]
+        if any(c == "budget" for c in codes):
+            point.status = "stopped: budget"
+        elif "OutOfMemoryError" in log or "out of memory" in log.lower() and any(codes):
+            point.status = "out of memory"
+        elif any(codes) or not tps:
+            last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+            point.status = f"failed (exit {next((c for c in codes if c), 0)}): {last[0][:120]}"
+        else:
+            point.tokens_per_s, point.peak = tps[-1], (max(peaks) * GB if peaks else None)
+        point.seconds, point.predicted = round(seconds, 1), predicted
+        return point
+
+    def _launch(self, args: list[str], port: int, log: Path) -> int | str:
+        """This node's part of a candidate: its exit code, or "budget" once stopped at the deadline."""
+        env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP and not k.startswith("TORCHELASTIC")}
+        if self.world.size > 1:
+            nnodes = self.world.size // self.world.local_size
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                   f"--nproc-per-node={self.world.local_size}", f"--node-rank={self.world.node_rank}",
+                   f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}", f"--master-port={port}",
+                   "-m", "trainer", *args]  # fmt: skip
+        else:
+            cmd = [sys.executable, "-m", "trainer", *args]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                timeout = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 15)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                return "budget"
+
+    def _gather(self, code):
+        if self.world.size == 1:
+            return [code]
+        import torch.distributed as dist
+
+        codes = [None] * self.world.size
+        dist.all_gather_object(codes, code)
+        return [c for c in codes if c is not None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _rows(path: Path) -> list[dict]:
+    import json
+
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def _plan_facts(work: Path) -> dict:
+    """plan.json of the latest candidate run that wrote one: the device's memory and capability."""
+    import json
+
+    plans = sorted((work / "runs").glob("*/plan.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(plans[-1].read_text()) if plans else {}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def checkpointing(mode: str) -> str:
+    return f"train.activation_checkpointing={mode}"
+
+
+def batch_overrides(micro_batch: int, per_rank: int | None) -> list[str]:
+    """The micro-batch, with train.grad_accum keeping ``per_rank`` sequences per rank and step (None: one
+    micro-batch a step)."""
+    return [f"train.micro_batch_size={micro_batch}", f"train.grad_accum={per_rank // micro_batch if per_rank else 1}"]
+
+
+class Session:
+    """The estimate and the runner of one ``tune`` or ``explain --memory``: the config as given, the counted parts,
+    and the points measured (earlier ones from ``measured.json``, if ``reuse``)."""
+
+    def __init__(self, config: str, overrides: list[str], budget_s: float | None, reuse: bool, say=print):
+        from trainer.data import load_corpus
+        from trainer.memory import model_on_meta
+
+        self.config, self.overrides, self.say = config, overrides, say
+        self.cfg = cfg = load_config(config, overrides)
+        self.world = World.from_env()
+        self.work = work_dir(cfg)
+        self.started, self.budget_s = time.monotonic(), budget_s
+        deadline = None if budget_s is None else self.started + budget_s
+        self.runner = Runner(config, overrides, self.work, self.world, deadline, say)
+        corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
+                             dtype=cfg.data.dtype)  # fmt: skip
+        model = model_on_meta(cfg, corpus.vocab_size)
+        self.key = memory_key(cfg, self.world.size)
+        parts = static_parts(model, cfg, self.world.size, "cuda")
+        self.estimate = Estimate(parts, cfg.data.seq_len, transient=step_transient(model, cfg, self.world.size))
+        if reuse:
+            self.estimate.points = load_points(self.work / "measured.json", self.key)
+        self.per_rank = cfg.train.micro_batch_size * cfg.train.grad_accum
+        self.measured: list[Point] = []
+
+    def measure(self, mode: str, micro_batch: int, extra: list[str] = ()) -> Point:
+        """Run one candidate, record it (the estimate, ``measured.json``) and say how it went."""
+        overrides = [checkpointing(mode), *batch_overrides(micro_batch, self.per_rank), *extra]
+        predicted = self.estimate.peak(mode, micro_batch)
+        n = len(self.measured) + 1
+        if self.world.rank == 0:
+            self.say(f"[{n}] {' '.join(overrides)}: running ({self.elapsed:.0f} s elapsed)")
+        point = self.runner.run(mode, micro_batch, overrides, predicted)
+        point = self.world.broadcast(point)
+        if self.estimate.capacity is None and self.world.rank == 0:
+            facts = _plan_facts(self.work)
+            if facts.get("device.memory_gb"):
+                from trainer.memory import USABLE
+
+                self.estimate.capacity = USABLE * facts["device.memory_gb"] * GB
+                self.capability = facts.get("device.capability")
+        self.estimate.capacity = self.world.broadcast(self.estimate.capacity)
+        self.capability = self.world.broadcast(getattr(self, "capability", None))
+        if point.status in ("ok", "out of memory") and not extra:
+            self.estimate.points.append(point)
+            if self.world.rank == 0:
+                save_point(self.work / "measured.json", self.key, point)
+        self.measured.append(point)
+        if self.world.rank == 0:
+            self.say(f"[{n}] {' '.join(overrides)}: {_outcome(point)} ({point.seconds:.0f} s)")
+        return point
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def affords(self) -> bool:
+        """Whether another candidate is expected to end within the budget (the longest so far as the guess);
+        rank 0's answer, on every rank."""
+        longest = max((p.seconds for p in self.measured), default=0.0)
+        ok = self.budget_s is None or self.elapsed + longest <= self.budget_s
+        return self.world.broadcast(ok)
+
+
+def _outcome(p: Point) -> str:
+    if p.status != "ok":
+        return p.status
+    return f"{p.tokens_per_s / 1e3:.1f}K tok/s, peak {p.peak / GB:.1f} GB" if p.peak else f"{p.tokens_per_s:.0f} tok/s"
+
+
+def on_cuda(cfg: Config) -> bool:
+    """Whether the candidates run on CUDA (asked without creating a CUDA context in this process)."""
+    return cfg.train.device.startswith("cuda") or (cfg.train.device == "auto" and torch.cuda.is_available())
+
+
+def search(s: Session) -> None:
+    """Measure the candidates in order of promise until the budget ends (rank 0 decides; every rank follows).
+
+    On CUDA, for each checkpointing mode in order of cost (none, selective, full): a probe at the config's
+    micro-batch (unless one was measured before), then the largest micro-batch the estimate says fits; a mode is
+    tried only where it fits a larger micro-batch than the cheaper modes did. Then, on the fastest: fp8 where the
+    GPU has float8 tensor cores and torchao is installed, and half and twice the bucket (ddp) or unit (fsdp) size.
+    On CPU: the micro-batches, largest first (checkpointing only slows a step there)."""
+    cfg, est = s.cfg, s.estimate
+    sizes = divisors(s.per_rank)
+    b0 = cfg.train.micro_batch_size
+    if not on_cuda(cfg):
+        for b in sorted(sizes, reverse=True)[:4]:
+            if s.affords():
+                s.measure(cfg.train.activation_checkpointing, b)
+        return
+    reached = 0  # the largest micro-batch a cheaper mode ran at
+    for mode in MODES:
+        if reached == max(sizes) or not s.affords():
+            break
+        probe = b0
+        while est.fit(mode) is None and probe and s.affords():  # a probe; out of memory: the next smaller size
+            if s.measure(mode, probe).status != "out of memory":
+                break
+            probe = max((b for b in sizes if b < probe), default=None)
+        tried = {p.micro_batch for p in s.measured if p.mode == mode}
+        while s.affords():
+            b = est.largest(mode, [b for b in sizes if b > reached and b not in tried])
+            if b is None:
+                break
+            tried.add(b)
+            if s.measure(mode, b).status == "ok":
+                break
+        ok = [p.micro_batch for p in s.measured if p.mode == mode and p.status == "ok"]
+        reached = max([reached, *ok])
+    best = fastest(s.measured)
+    if best is None:
+        return
+    if cfg.train.precision != "fp8" and fp8_possible(s) and s.affords():
+        s.measure(best.mode, best.micro_batch, ["train.precision=fp8"])
+    d = cfg.distributed
+    if s.world.size > 1 and d.strategy in ("ddp", "fsdp"):
+        key, value = ("distributed.bucket_mb", d.bucket_mb) if d.strategy == "ddp" else \
+            ("distributed.fsdp_unit_mb", d.fsdp_unit_mb)  # fmt: skip
+        best = fastest(s.measured)
+        extra = [o for o in best.overrides if o.startswith("train.precision=")]
+        for v in (value / 2, value * 2):
+            if value and s.affords():
+                s.measure(best.mode, best.micro_batch, [*extra, f"{key}={v:g}"])
+
+
+def fp8_possible(s: Session) -> bool:
+    """Float8 tensor cores (compute capability 8.9 or later) and torchao."""
+    cap = getattr(s, "capability", None)
+    return bool(cap) and tuple(map(int, cap.split("."))) >= (8, 9) and installed("torchao")
+
+
+def installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def fastest(points: list[Point]) -> Point | None:
+    ok = [p for p in points if p.status == "ok" and p.tokens_per_s]
+    return max(ok, key=lambda p: p.tokens_per_s) if ok else None
+
+
+def table(points: list[Point]) -> str:
+    """The candidates as a Markdown table: tok/s, peak and predicted memory, status."""
+    lines = ["| # | candidate | tok/s | peak GB | predicted GB | status |", "|---|---|---|---|---|---|"]
+    best = fastest(points)
+    for i, p in enumerate(points, 1):
+        tps = f"{p.tokens_per_s / 1e3:.1f}K" if p.tokens_per_s else "-"
+        peak = f"{p.peak / GB:.1f}" if p.peak else "-"
+        pred = f"{p.predicted / GB:.1f}" if p.predicted else "-"
+        status = "**fastest**" if p is best else p.status
+        lines.append(f"| {i} | {' '.join(p.overrides)} | {tps} | {peak} | {pred} | {status} |")
+    return "\n".join(lines)
+
+
+def tuned_path(config: str, shipped: bool) -> Path:
+    """``CONFIG.tuned.yaml`` beside the config; in the working directory for a shipped one."""
+    p = Path(config)
+    name = p.name.removesuffix(".yaml").removesuffix(".yml") + ".tuned.yaml"
+    return Path(name) if shipped else p.with_name(name)
+
+
+def write_tuned(s: Session, best: Point, path: Path, command: str) -> None:
+    """The config with the fastest candidate's overrides, and a comment giving the measurement."""
+    from trainer.io import atomic_write_text
+
+    given = next((p for p in s.measured if p.status == "ok" and _as_given(p, s.cfg)), None)
+    vs = f"; the config as given: {_speed(given)}" if given else ""
+    cfg = load_config(s.config, [*s.overrides, *best.overrides])
+    head = [f"# {command}", f"# The fastest of {len(s.measured)} settings measured in {s.elapsed:.0f} s: {_speed(best)}"
+            f"{vs}.", f"# Overrides over {s.config}: {' '.join(best.overrides)}", ""]  # fmt: skip
+    atomic_write_text(path, "\n".join(head) + to_yaml(cfg))
+
+
+def _speed(p: Point) -> str:
+    return f"{p.tokens_per_s / 1e3:.1f}K tok/s" + (f", peak {p.peak / GB:.1f} GB" if p.peak else "")
+
+
+def _as_given(p: Point, cfg: Config) -> bool:
+    return (p.mode == cfg.train.activation_checkpointing and p.micro_batch == cfg.train.micro_batch_size
+            and len(p.overrides) == 3)  # fmt: skip
+
+
+def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = False, say=print) -> int:
+    """``trainer tune``: measure, print the table, write ``CONFIG.tuned.yaml``. Returns the exit code."""
+    world = World.from_env()
+    if world.size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    quiet = (lambda *_: None) if world.rank else say
+    s = Session(config, overrides, budget_s, reuse=True, say=quiet)
+    quiet(f"tune: {config} on {world.size} rank{'s' if world.size > 1 else ''}, budget {budget_s:.0f} s; "
+          f"{s.per_rank} sequences per rank and step, kept through train.grad_accum (micro-batches: "
+          f"{', '.join(map(str, divisors(s.per_rank)))}); runs and measurements in {s.work}")  # fmt: skip
+    if s.per_rank == 1:
+        quiet("tune: the global batch is one sequence per rank: only the checkpointing mode is searched "
+              "(raise train.grad_accum to search larger micro-batches)")  # fmt: skip
+    search(s)
+    if world.size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if world.rank:
+        return 0
+    say(table(s.measured))
+    best = fastest(s.measured)
+    if best is None:
+        say("tune: no candidate ran; the log of each is in " + str(s.work / "runs"))
+        return 1
+    path = tuned_path(config, shipped)
+    argv = " ".join(["trainer tune", config, *overrides, f"--budget-s {budget_s:g}"])
+    write_tuned(s, best, path, argv)
+    say(f"tune: fastest {' '.join(best.overrides)}: {_speed(best)}; wrote {path} ({s.elapsed:.0f} s)")
+    say(f"  trainer fit {path}")
+    return 0
+
+
+def explain_memory(config: str, overrides: list[str], say=print) -> int:
+    """``trainer explain --memory``: the counted parts, then each mode probed at the config's micro-batch (CUDA:
+    short runs; CPU: one step in this process, its live tensor bytes counted), and the largest micro-batch of
+    :data:`GRID` that fits."""
+    cfg = load_config(config, overrides)
+    b0 = cfg.train.micro_batch_size
+    if not on_cuda(cfg):
+        est = cpu_estimate(cfg, b0)
+        say(est.describe(GRID, f"memory on the CPU, counted, and probed at micro-batch {b0} (host memory is not "
+                              "checked against a limit):"))  # fmt: skip
+        return 0
+    world = World.from_env()
+    if world.size > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    s = Session(config, overrides, None, reuse=False, say=(lambda *_: None) if world.rank else say)
+    for mode in MODES:
+        s.measure(mode, b0)
+    if world.rank == 0:
+        say(s.estimate.describe(GRID, f"memory per rank of {world.size}, predicted:"))
+        say(prediction_table(s.estimate, [b for b in GRID if b >= b0][:12]))
+    return 0
+
+
+def prediction_table(est: Estimate, sizes: list[int]) -> str:
+    """Predicted peaks by mode and micro-batch (GB), a cell past the device's memory marked."""
+    lines = ["| micro-batch | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
+    for b in sizes:
+        cells = []
+        for mode in MODES:
+            peak = est.peak(mode, b)
+            over = est.capacity is not None and peak is not None and peak > est.capacity
+            cells.append("-" if peak is None else f"{peak / GB:.1f}" + (" (too large)" if over else ""))
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cpu_estimate(cfg: Config, micro_batch: int) -> Estimate:
+    """The estimate on the CPU: the counted parts, and each mode probed by :func:`cpu_peak` at ``micro_batch``."""
+    from trainer.data import load_corpus
+    from trainer.memory import model_on_meta
+
+    corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
+                         dtype=cfg.data.dtype)  # fmt: skip
+    model = model_on_meta(cfg, corpus.vocab_size)
+    est = Estimate(static_parts(model, cfg, 1, "cpu"), cfg.data.seq_len, transient=step_transient(model, cfg, 1, "cpu"))
+    for mode in MODES:
+        for b in sorted({max(1, micro_batch // 2), micro_batch}):  # two micro-batches: the line's constant too
+            est.points.append(Point(mode, b, cpu_peak(cfg, mode, b, corpus.vocab_size)))
+    return est
+
+
+def cpu_peak(cfg: Config, mode: str, micro_batch: int, vocab_size: int, parts: dict | None = None) -> float:
+    """The peak bytes of the forward and backward of the second training step of ``cfg`` at ``micro_batch`` in
+    ``mode`` on the CPU: the tensors alive before it (parameters, optimizer state) and the peak of those it
+    creates until the update. ``parts``, if given, receives the bytes of the parameters, gradients and optimizer
+    state as the step leaves them, and ``step``: the peak of the whole step, the update's temporaries included."""
+    import copy
+
+    from trainer import build, plan
+    from trainer.distributed.env import DistEnv
+    from trainer.memory import LiveBytes
+
+    cfg = copy.deepcopy(cfg)
+    cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.activation_checkpointing = micro_batch, 1, mode
+    cfg.train.device = "cpu"
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    p = plan.resolve(cfg, env)
+    quiet = lambda *_: None  # noqa: E731
+    torch.manual_seed(0)
+    model = build.make_model(p.cfg, vocab_size, env.device, env)
+    opt = build.build_optimizer(model, p.cfg, env.device, env)
+    wrapped, _ = build.wrap(model, p.cfg, env, say=quiet, opt=opt)
+    step = build.train_step(wrapped, model, opt, None, p.cfg, env, say=quiet)
+    x = torch.randint(0, vocab_size, (micro_batch, cfg.data.seq_len))
+    batch = lambda _i: (x, x)  # noqa: E731
+    step(batch)  # the first step creates the gradients and the optimizer state
+    before = _storage_bytes(existing(model, opt))
+    grads = {}  # each parameter's gradient as the backward leaves it (the step may drop them after the update)
+    hooks = [q.register_post_accumulate_grad_hook(lambda q: grads.__setitem__(q, q.grad)) for q in model.parameters()]
+    update, backward_peak = opt.step, []
+
+    def step_after_backward(*args, **kwargs):  # the peak of the forward and backward, before the update
+        backward_peak.append(live.peak)
+        return update(*args, **kwargs)
+
+    opt.step = step_after_backward
+    with LiveBytes("cpu") as live:
+        step(batch)
+    opt.step = update
+    for h in hooks:
+        h.remove()
+    if parts is not None:
+        parts["step"] = before + live.peak
+        parts["parameters"] = _storage_bytes(list(model.parameters()))
+        parts["gradients"] = _storage_bytes(list(grads.values()))
+        parts["optimizer state"] = _storage_bytes([t for st in opt.state.values() for t in st.values()
+                                                   if isinstance(t, torch.Tensor) and t.dim() > 0])  # fmt: skip
+    return before + backward_peak[0]
+
+
+def existing(model, opt) -> list[torch.Tensor]:
+    ts = [*model.parameters(), *(q.grad for q in model.parameters() if q.grad is not None)]
+    ts += [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return ts
+
+
+def _storage_bytes(tensors) -> int:
+    seen, n = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            n += st.nbytes()
+    return n
