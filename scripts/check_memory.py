@@ -6,8 +6,8 @@ Usage (one GPU):
     python scripts/check_memory.py configs/tiny.yaml --probe 8 --points none:16 --device cpu   # smoke, seconds
     python scripts/check_memory.py configs/llama-1b.yaml --boundary --reuse result.json   # runs not run again
 
-Each mode is probed at the ``--probe`` micro-batches (a short run each), as ``trainer explain --memory`` does;
-every prediction is made from these probes alone, before the other runs. Then each of ``--points`` runs, and with ``--boundary`` also the
+Each mode is probed as ``trainer explain --memory`` probes it (``trainer.tune.probe_modes``: at ``--probe``, then
+near the limit the first predicts); every prediction is made from these probes alone, before the other runs. Then each of ``--points`` runs, and with ``--boundary`` also the
 largest micro-batch of ``trainer.tune.GRID`` predicted to fit each mode and the next one (predicted not to). Each
 run is a 6-step ``trainer fit`` (one micro-batch a step: train.grad_accum=1); its peak is the log's
 ``torch.cuda.max_memory_allocated``. Writes ``scripts/results/check_memory/result.json`` and prints the table.
@@ -27,14 +27,15 @@ sys.path.insert(0, str(ROOT))
 
 from scripts import _meta  # noqa: E402
 from trainer.memory import GB, MODES, Point  # noqa: E402
-from trainer.tune import GRID, Session  # noqa: E402
+from trainer.tune import GRID, Session, probe_modes  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--probe", default="4,8", help="the probes' micro-batches (default 4,8, as explain --memory)")
+    p.add_argument("--probe", type=int, default=4, help="the first probe's micro-batch (default 4); the second is "
+                   "chosen as explain --memory chooses it")  # fmt: skip
     p.add_argument("--points", default="", help="mode:micro-batch,... to measure against the prediction")
     p.add_argument("--boundary", nargs="?", const=",".join(MODES), default="", metavar="MODES",
                    help="also each mode's (or these modes') largest predicted fit and the next micro-batch")
@@ -55,21 +56,19 @@ def main() -> None:
         earlier = {(r["mode"], r["micro_batch"]): r for r in doc["rows"]}
         s.estimate.capacity, seconds = doc["capacity_gb"] and doc["capacity_gb"] * GB, doc["seconds"]
 
+    run = s.measure
+
     def measured(mode: str, b: int) -> Point:
         if (mode, b) not in earlier:
-            return s.measure(mode, b)
+            return run(mode, b)
         r = earlier[(mode, b)]
         return Point(mode, b, r["measured_gb"] and r["measured_gb"] * GB, r["tokens_per_s"], r["status"],
                      seconds=r["seconds"])  # fmt: skip
 
-    probes = [int(b) for b in a.probe.split(",")]
-    rows = []
-    for mode in MODES:
-        for b in probes:
-            pt = measured(mode, b)
-            if pt not in s.estimate.points:
-                s.estimate.points.append(pt)
-            rows.append(_row(pt, None, None, probe=True))
+    s.measure = lambda mode, b: _probe(s, measured, mode, b)
+    probe_modes(s, a.probe)  # as explain --memory
+    probes = {(p.mode, p.micro_batch) for p in s.estimate.points}
+    rows = [_row(p, None, None, probe=True) for p in s.estimate.points]
     est = s.estimate
     wanted = [(m, int(b)) for m, b in (x.split(":") for x in a.points.split(",") if x)]
     largest = {m: est.largest(m, GRID) for m in MODES}
@@ -81,10 +80,10 @@ def main() -> None:
     fits = {(m, b): est.fits(m, b) for m, b in wanted}
     described = est.describe(GRID, "memory, predicted from the probes:")
     for m, b in dict.fromkeys(wanted):
-        if b not in probes:
+        if (m, b) not in probes:
             rows.append(_row(measured(m, b), predicted[(m, b)], fits[(m, b)]))
     report = {"device": _meta_device(s), "git_sha": _meta.git_sha(), "config": a.config, "overrides": a.overrides,
-              "probes": probes, "capacity_gb": est.capacity and est.capacity / GB,
+              "probes": sorted(probes), "capacity_gb": est.capacity and est.capacity / GB,
               "parts_gb": {k: v[0] / GB for k, v in est.parts.items()},
               "per_sequence_gb": {m: est.fit(m)[0] / GB for m in MODES if est.fit(m)},
               "constant_gb": {m: est.fit(m)[1] / GB for m in MODES if est.fit(m)},
@@ -96,6 +95,13 @@ def main() -> None:
     print(described)
     print(table(rows))
     print(f"wrote {out}")
+
+
+def _probe(s, measured, mode: str, b: int) -> Point:
+    pt = measured(mode, b)
+    if pt not in s.estimate.points:
+        s.estimate.points.append(pt)
+    return pt
 
 
 def _row(pt, predicted, predicted_fits, probe: bool = False) -> dict:

@@ -75,7 +75,7 @@ def test_estimate_fits_lines_and_respects_measured_out_of_memory():
     assert est.fit("none") == (pytest.approx(3 * GB), 0.0)  # (28 - 16) / 4 through the counted parts
     assert est.peak("none", 10) == pytest.approx(46 * GB)
     assert est.largest("none", [1, 2, 4, 8, 12, 16, 20]) == 12  # 52 GB fits, 16 (64 GB) does not
-    est.points.append(Point("none", 12, 51 * GB))  # a second micro-batch: the least-squares line
+    est.points += [Point("none", 12, 51 * GB), Point("none", 2, 20 * GB)]  # the line through the two largest
     slope, const = est.fit("none")
     assert slope == pytest.approx(23 / 8 * GB) and const == pytest.approx(28 * GB - 16 * GB - 4 * slope)
     est.points.append(Point("none", 12, None, status="out of memory"))  # measured beats predicted

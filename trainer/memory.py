@@ -14,8 +14,9 @@ The prediction is a sum of parts:
   the larger of the two;
 - **activations**: bytes per sequence for each checkpointing mode, measured. One short run of the model at one
   micro-batch (a *probe*: ``trainer explain --memory`` and ``trainer tune`` make them) gives a peak; what the
-  counted parts do not explain, divided by the micro-batch, is the mode's bytes per sequence. With two measured
-  micro-batches of a mode, a line through them also fits the constant the counted parts miss. Under the graphed
+  counted parts do not explain, divided by the micro-batch, is the mode's bytes per sequence. With two or more
+  measured micro-batches of a mode, the line through the two largest also fits the constant the counted parts
+  miss (with checkpointing the peak comes in the backward, before every gradient exists). Under the graphed
   step the activations live in the step's CUDA-graph pool: its peak is the measured one.
 
 On CUDA the probe's peak is ``torch.cuda.max_memory_allocated``; on CPU it is the peak of live tensor bytes during
@@ -38,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainer.config import Config, to_dict
 
 MODES = ("none", "selective", "full")
-USABLE = 0.90  # of the device's memory, for the allocator's peak
+USABLE = 0.89  # of the device's memory, for the allocator's peak (the boundary measured on an H100: docs/tuning.md)
 WORKSPACE = 64 * 2**20  # cuBLAS's workspace on CUDA
 GB = 1e9
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2}  # fp32 tensors per parameter; sgd: one with momentum, else none
@@ -143,18 +144,22 @@ class Estimate:
 
     def fit(self, mode: str) -> tuple[float, float] | None:
         """``(bytes per sequence, constant beyond the counted parts)`` of ``mode``, or None before a probe.
-        One measured micro-batch: the line through the counted parts; two or more: the least-squares line."""
-        pts = [(p.micro_batch, p.peak) for p in self.points if p.mode == mode and p.peak is not None]
-        sizes = {b for b, _ in pts}
-        if not pts:
+        One measured micro-batch: the line through the counted parts; more: the line through the two largest
+        (the peak's composition changes with the micro-batch: measured on Llama-3.2-1B's shape with full
+        checkpointing, 0.27 GB a sequence between 4 and 8, 0.55 between 32 and 64; the largest probes speak for
+        the micro-batches near the device's limit)."""
+        by_size: dict[int, list[float]] = {}
+        for p in self.points:
+            if p.mode == mode and p.peak is not None:
+                by_size.setdefault(p.micro_batch, []).append(p.peak)
+        if not by_size:
             return None
-        if len(sizes) == 1:
-            b = sum(b for b, _ in pts) / len(pts)
-            return max(0.0, (sum(y for _, y in pts) / len(pts) - self.static) / b), 0.0
-        mb = sum(b for b, _ in pts) / len(pts)
-        my = sum(y for _, y in pts) / len(pts)
-        slope = sum((b - mb) * (y - my) for b, y in pts) / sum((b - mb) ** 2 for b, _ in pts)
-        return max(0.0, slope), my - slope * mb - self.static
+        (b1, y1), *rest = sorted(((b, sum(ys) / len(ys)) for b, ys in by_size.items()), reverse=True)
+        if not rest:
+            return max(0.0, (y1 - self.static) / b1), 0.0
+        b0, y0 = rest[0]
+        slope = max(0.0, (y1 - y0) / (b1 - b0))
+        return slope, y1 - slope * b1 - self.static
 
     def peak(self, mode: str, micro_batch: int) -> float | None:
         """The predicted peak bytes of ``mode`` at ``micro_batch``; None before the mode has a probe."""

@@ -404,10 +404,8 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
 
 
 def explain_memory(config: str, overrides: list[str], say=print) -> int:
-    """``trainer explain --memory``: the counted parts, then each mode probed at the config's micro-batch and twice
-    it (CUDA: short runs; CPU: one step in this process, its live tensor bytes counted), and the largest
-    micro-batch of :data:`GRID` that fits. Two sizes give each mode's line its constant: with checkpointing the
-    peak comes in the backward, when only some gradients exist (measured on Llama-3.2-1B's shape: -2.7 GB)."""
+    """``trainer explain --memory``: the counted parts, then each mode probed (:func:`probe_modes`; on the CPU: one
+    step in this process, its live tensor bytes counted), and the largest micro-batch of :data:`GRID` that fits."""
     cfg = load_config(config, overrides)
     b0 = cfg.train.micro_batch_size
     if not on_cuda(cfg):
@@ -422,13 +420,25 @@ def explain_memory(config: str, overrides: list[str], say=print) -> int:
         dist.init_process_group("gloo")
     s = Session(config, overrides, None, reuse=False, say=(lambda *_: None) if world.rank else say)
     s.per_rank = None  # one micro-batch a step: the probes' sizes need not divide the global batch
-    for mode in MODES:
-        for b in (b0, 2 * b0):
-            s.measure(mode, b)
+    probe_modes(s, b0)
     if world.rank == 0:
         say(s.estimate.describe(GRID, f"memory per rank of {world.size}, predicted:"))
         say(prediction_table(s.estimate, [b for b in GRID if b >= b0][:12]))
     return 0
+
+
+def probe_modes(s: Session, b0: int) -> None:
+    """Two probes per mode: at ``b0``, then at the largest micro-batch of :data:`GRID` at most half the largest
+    the first predicts to fit (a size near the limit, where the line must hold; a smaller one if it runs out of
+    memory). On CPU, at ``b0`` and twice it."""
+    for mode in MODES:
+        s.measure(mode, b0)
+        limit = s.estimate.largest(mode, GRID) or 2 * b0
+        b1 = max((g for g in GRID if b0 < g <= max(limit // 2, 2 * b0)), default=2 * b0)
+        while s.measure(mode, b1).status == "out of memory":
+            b1 = max((g for g in GRID if b0 < g < b1), default=None)
+            if b1 is None:
+                break
 
 
 def prediction_table(est: Estimate, sizes: list[int]) -> str:
