@@ -285,13 +285,13 @@ def search(s: Session) -> None:
                 break
             probe = max((b for b in sizes if b < probe), default=None)
         tried = {p.micro_batch for p in s.measured if p.mode == mode}
-        while s.affords():
-            b = est.largest(mode, [b for b in sizes if b > reached and b not in tried])
+        while s.affords():  # each run refits the line: after one that fits, a larger size may be predicted to fit
+            ok = [p.micro_batch for p in s.measured if p.mode == mode and p.status == "ok"]
+            b = est.largest(mode, [b for b in sizes if b > max([reached, *ok]) and b not in tried])
             if b is None:
                 break
             tried.add(b)
-            if s.measure(mode, b).status == "ok":
-                break
+            s.measure(mode, b)
         ok = [p.micro_batch for p in s.measured if p.mode == mode and p.status == "ok"]
         reached = max([reached, *ok])
     best = fastest(s.measured)
