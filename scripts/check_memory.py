@@ -2,15 +2,16 @@
 
 Usage (one GPU):
     python scripts/check_memory.py configs/llama-1b.yaml \\
-        --points none:16,none:20,selective:24,full:32 --boundary
+        --points none:16,none:20,selective:24,selective:28,full:32,full:64 --boundary
     python scripts/check_memory.py configs/tiny.yaml --probe 8 --points none:16 --device cpu   # smoke, seconds
-    python scripts/check_memory.py configs/llama-1b.yaml --boundary --reuse result.json   # runs not run again
+    python scripts/check_memory.py configs/llama-1b.yaml --boundary --reuse result.json   # its runs reused
 
 Each mode is probed as ``trainer explain --memory`` probes it (``trainer.tune.probe_modes``: at ``--probe``, then
-near the limit the first predicts); every prediction is made from these probes alone, before the other runs. Then each of ``--points`` runs, and with ``--boundary`` also the
-largest micro-batch of ``trainer.tune.GRID`` predicted to fit each mode and the next one (predicted not to). Each
-run is a 6-step ``trainer fit`` (one micro-batch a step: train.grad_accum=1); its peak is the log's
-``torch.cuda.max_memory_allocated``. Writes ``scripts/results/check_memory/result.json`` and prints the table.
+near the limit the first predicts); every prediction is made from these probes alone, before the other runs. Then
+each of ``--points`` runs, and with ``--boundary`` also the largest micro-batch of ``trainer.tune.GRID`` predicted
+to fit each mode and the next one (predicted not to). Each run is a 6-step ``trainer fit`` (one micro-batch a step:
+train.grad_accum=1); its peak is the log's ``torch.cuda.max_memory_allocated``. Writes
+``scripts/results/check_memory/result.json`` and prints the table.
 """
 
 from __future__ import annotations
@@ -37,8 +38,14 @@ def main() -> None:
     p.add_argument("--probe", type=int, default=4, help="the first probe's micro-batch (default 4); the second is "
                    "chosen as explain --memory chooses it")  # fmt: skip
     p.add_argument("--points", default="", help="mode:micro-batch,... to measure against the prediction")
-    p.add_argument("--boundary", nargs="?", const=",".join(MODES), default="", metavar="MODES",
-                   help="also each mode's (or these modes') largest predicted fit and the next micro-batch")
+    p.add_argument(
+        "--boundary",
+        nargs="?",
+        const=",".join(MODES),
+        default="",
+        metavar="MODES",
+        help="also each mode's (or these modes') largest predicted fit and the next micro-batch",
+    )
     p.add_argument("--device", default="auto", help="train.device (cpu: a smoke run)")
     p.add_argument("--reuse", metavar="JSON", help="an earlier result file of this script, for the same config on "
                    "the same device: its runs are not run again")  # fmt: skip
@@ -74,8 +81,8 @@ def main() -> None:
     largest = {m: est.largest(m, GRID) for m in MODES}
     for m, b in largest.items():
         if m in a.boundary.split(","):
-                above = next((g for g in GRID if b is not None and g > b), None)
-                wanted += [(m, x) for x in (b, above) if x is not None]
+            above = next((g for g in GRID if b is not None and g > b), None)
+            wanted += [(m, x) for x in (b, above) if x is not None]
     predicted = {(m, b): est.peak(m, b) for m, b in wanted}  # from the probes alone, before any of these runs
     fits = {(m, b): est.fits(m, b) for m, b in wanted}
     described = est.describe(GRID, "memory, predicted from the probes:")
@@ -114,7 +121,7 @@ def _row(pt, predicted, predicted_fits, probe: bool = False) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| mode | B | predicted | measured | error | predicted to fit | outcome |", "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | B | predicted | measured | error | predicted to fit | outcome |", "|---" * 7 + "|"]
     for r in rows:
         pred = f"{r['predicted_gb']:.1f} GB" if r["predicted_gb"] else "-"
         meas = f"{r['measured_gb']:.1f} GB" if r["measured_gb"] else "-"

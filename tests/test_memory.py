@@ -8,7 +8,6 @@ on the tiny config, alone and under torchrun on 2 gloo ranks.
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -123,7 +122,13 @@ def test_search_probes_each_mode_then_its_largest_fitting_micro_batch(monkeypatc
     s.estimate.parts = {"counted": (16 * GB, "")}  # the synthetic device's constant
     tune.search(s)
     assert [(m, b) for m, b, _ in device.calls] == [
-        ("none", 4), ("none", 8), ("selective", 4), ("selective", 16), ("full", 4), ("full", 64)]
+        ("none", 4),
+        ("none", 8),
+        ("selective", 4),
+        ("selective", 16),
+        ("full", 4),
+        ("full", 64),
+    ]
     best = tune.fastest(s.measured)
     assert (best.mode, best.micro_batch) == ("selective", 16)  # 50.8K against none 8: 48K, full 64: 44.8K
     text = tune.table(s.measured)
@@ -145,7 +150,11 @@ def test_search_steps_down_after_an_unpredicted_out_of_memory(monkeypatch, tmp_p
     monkeypatch.setattr(tune, "MODES", ("none",))
     tune.search(s)
     assert [(b, p.status) for (_, b, _), p in zip(device.calls, s.measured)] == [
-        (4, "ok"), (32, "out of memory"), (16, "out of memory"), (8, "ok")]
+        (4, "ok"),
+        (32, "out of memory"),
+        (16, "out of memory"),
+        (8, "ok"),
+    ]
 
 
 def test_search_adds_fp8_and_unit_sizes_on_the_fastest(monkeypatch, tmp_path):

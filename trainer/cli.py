@@ -1,4 +1,5 @@
-"""``trainer fit | tune | configs | print-config | explain | prepare | sample | plot | export``: a thin argparse front end.
+"""``trainer fit | tune | configs | print-config | explain | prepare | sample | plot | export``: the argparse
+front end.
 
 User errors (config, overrides, files, checkpoints) print one paragraph to stderr and exit 2,
 with no traceback (``TRAINER_DEBUG=1`` shows it). Everything else is a bug and keeps its traceback.

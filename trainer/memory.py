@@ -53,7 +53,9 @@ def model_on_meta(cfg: Config, vocab_size: int) -> nn.Module:
         return build_model_of(cfg, vocab_size, pretrained=False)
 
 
-def static_parts(model: nn.Module, cfg: Config, world: int = 1, device_type: str = "cuda") -> dict[str, tuple[float, str]]:
+def static_parts(
+    model: nn.Module, cfg: Config, world: int = 1, device_type: str = "cuda"
+) -> dict[str, tuple[float, str]]:
     """Bytes per rank of what does not scale with the micro-batch, by part, each with how it was counted."""
     from trainer.distributed.fsdp import block_units
     from trainer.plan import Strategy
@@ -69,8 +71,10 @@ def static_parts(model: nn.Module, cfg: Config, world: int = 1, device_type: str
     parts = {
         "parameters": (stored / shard, f"{_count(n)}, {_dtype_name(params)}{on}"),
         "gradients": (stored / shard, f"as the parameters{on}"),
-        "optimizer state": (n * 4 * states / state_shard,
-                            f"{cfg.optim.name}: {states} fp32 per parameter" + (f" / {state_shard} ranks" if state_shard > 1 else "")),  # fmt: skip
+        "optimizer state": (
+            n * 4 * states / state_shard,
+            f"{cfg.optim.name}: {states} fp32 per parameter" + (f" / {state_shard} ranks" if state_shard > 1 else ""),
+        ),  # fmt: skip
     }
     if strategy.fsdp:
         gathered_bytes = 2 if cfg.distributed.param_dtype in ("auto", "bf16", "fp16") else 4
@@ -271,8 +275,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}  # an in-place op's or a view's output is not new memory
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }  # an in-place op's or a view's output is not new memory
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 if t.untyped_storage().data_ptr() not in inputs:
@@ -313,8 +320,8 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
         return (f"warning: memory: the parameters, gradients and optimizer state alone need {size(est.static)} per "
                 f"rank, more than the {size(est.capacity)} this GPU allows ({USABLE:.0%} of its memory); shard "
                 "them: distributed.strategy=fsdp over more GPUs")  # fmt: skip
-    said = f"memory: predicted peak {size(peak)} per rank of the {size(est.capacity)} this GPU allows " \
-           f"(micro-batch {b}, train.activation_checkpointing={mode}; activations measured in {work_dir(cfg)})"  # fmt: skip
+    said = (f"memory: predicted peak {size(peak)} per rank of the {size(est.capacity)} this GPU allows (micro-batch "
+            f"{b}, train.activation_checkpointing={mode}; activations measured in {work_dir(cfg)})")  # fmt: skip
     if peak <= est.capacity:
         return said
     best = est.largest(mode, [x for x in range(1, b) if (b * t.grad_accum) % x == 0])

@@ -12,7 +12,6 @@ touch a GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import socket
@@ -25,8 +24,18 @@ from pathlib import Path
 import torch
 
 from trainer.config import Config, load_config, to_yaml
-from trainer.memory import (GB, MODES, Estimate, Point, load_points, memory_key, save_point, static_parts,
-                            step_transient, work_dir)
+from trainer.memory import (
+    GB,
+    MODES,
+    Estimate,
+    Point,
+    load_points,
+    memory_key,
+    save_point,
+    static_parts,
+    step_transient,
+    work_dir,
+)
 
 STEPS, LOG_EVERY = 12, 4  # a candidate's run: rows at 4 (compile, capture), 8 and 12 (steady)
 GRID = [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]
@@ -95,7 +104,8 @@ class Runner:
         point = Point(mode, micro_batch, None, overrides=overrides)
         if self.world.rank != 0:
             return point
-        log = run_dir.with_suffix(".0.log").read_text(errors="replace") if run_dir.with_suffix(".0.log").exists() else ""
+        log_file = run_dir.with_suffix(".0.log")
+        log = log_file.read_text(errors="replace") if log_file.exists() else ""
         rows = _rows(run_dir / "metrics.jsonl")
         tps = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
         peaks = [r["peak_mem_gb"] for r in rows if r.get("peak_mem_gb") is not None]
@@ -327,9 +337,11 @@ def fastest(points: list[Point]) -> Point | None:
     return max(ok, key=lambda p: p.tokens_per_s) if ok else None
 
 
-def table(points: list[Point]) -> str:
-    """The candidates as a Markdown table: tok/s, peak and predicted memory, status."""
-    lines = ["| # | candidate | tok/s | peak GB | predicted GB | status |", "|---|---|---|---|---|---|"]
+def table(points: list[Point], world: int = 1) -> str:
+    """The candidates as a Markdown table: tok/s (of all ``world`` ranks), peak and predicted memory per rank,
+    status."""
+    speed = "tok/s" if world == 1 else f"tok/s ({world} ranks)"
+    lines = [f"| # | candidate | {speed} | peak GB | predicted GB | status |", "|---|---|---|---|---|---|"]
     best = fastest(points)
     for i, p in enumerate(points, 1):
         tps = f"{p.tokens_per_s / 1e3:.1f}K" if p.tokens_per_s else "-"
@@ -390,7 +402,7 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
         dist.destroy_process_group()
     if world.rank:
         return 0
-    say(table(s.measured))
+    say(table(s.measured, world.size))
     best = fastest(s.measured)
     if best is None:
         say("tune: no candidate ran; the log of each is in " + str(s.work / "runs"))
