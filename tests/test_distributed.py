@@ -165,7 +165,7 @@ def test_save_on_two_ranks_resume_on_one(one_process, tmp_path, capsys):
 RANK0_BUILDS = r"""
 import json, os, sys
 import torch
-from trainer import build
+from trainer import build, plan
 from trainer.config import load_config
 from trainer.distributed import env as dist_env
 
@@ -175,12 +175,12 @@ for case, overrides in json.loads(sys.argv[2]).items():
     cfg = load_config("configs/tiny.yaml", ["distributed.strategy=fsdp", "distributed.fsdp_unit_mb=0",
                                              "model.dropout=0.0", *overrides])
     build.seed_everything(cfg.seed)
-    model = build.make_model(cfg, 256, env.device, env)
+    model = build.make_model(plan.resolve(cfg, env), 256, env)
     on_meta = sorted({p.device.type for p in model.parameters()})
-    build.shard(model, cfg, env, say=None)
+    build.shard(model, plan.resolve(cfg, env), env, say=None)
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     build.seed_everything(cfg.seed)  # the same model built whole in this process, as one process would
-    whole = build.make_model(cfg, 256, env.device)
+    whole = build.make_model(plan.one_process(cfg, env.device), 256)
     diff = max((full[k] - v).abs().max().item() for k, v in whole.state_dict().items())
     out[case] = {"devices": on_meta, "keys": sorted(full) == sorted(whole.state_dict()), "diff": diff,
                  "buffers": max([(a - b).abs().max().item() for a, b in zip(model.buffers(), whole.buffers())]
@@ -251,21 +251,17 @@ class _ReadsItsWeights(torch.nn.Module):
 
 
 def test_fsdp_a_model_that_cannot_be_built_on_meta_is_built_whole_with_a_warning():
-    from types import SimpleNamespace
-
-    from trainer import build
+    from trainer import build, plan
     from trainer.config import load_config
+    from trainer.distributed.env import DistEnv
 
     cfg = load_config("configs/tiny.yaml", ["distributed.strategy=fsdp", "model.preset=null",
                                             f"model.target={__name__}:_ReadsItsWeights"])  # fmt: skip
-    rank1 = SimpleNamespace(distributed=True, rank=1, world_size=2)
+    rank1 = DistEnv(rank=1, local_rank=1, world_size=2, device=torch.device("cpu"), backend="gloo")
     with pytest.warns(UserWarning, match="rank 1 could not build the model with its parameters on the meta device"):
-        model = build.make_model(cfg, 256, torch.device("cpu"), rank1)
+        model = build.make_model(plan.resolve(cfg, rank1), 256, rank1)
     assert model.lin.weight.device.type == "cpu"
-    assert (
-        build.make_model(cfg, 256, torch.device("cpu"), SimpleNamespace(distributed=False, rank=0, world_size=1))
-        is not None
-    )
+    assert build.make_model(plan.one_process(cfg), 256) is not None
 
 
 def test_strategy_none_under_torchrun_is_refused(tmp_path):

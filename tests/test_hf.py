@@ -77,7 +77,7 @@ def _first_batch(cfg):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_fit_trains_and_the_first_loss_is_transformers_own(name, runs):
-    from trainer import build
+    from trainer import build, plan
 
     run = runs[name]
     steps = sorted(run.losses)
@@ -89,7 +89,7 @@ def test_fit_trains_and_the_first_loss_is_transformers_own(name, runs):
     # hand from transformers' logits, with the targets as they are (already shifted: no labels=, no second shift).
     (x, y), corpus = _first_batch(run.cfg)
     build.seed_everything(run.cfg.seed)
-    model = build.make_model(run.cfg, corpus.vocab_size, torch.device("cpu"))
+    model = build.make_model(plan.one_process(run.cfg), corpus.vocab_size)
     with torch.no_grad():
         logits = model.hf(x).logits  # (B, T, V)
         by_hand = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)).item()

@@ -96,3 +96,26 @@ def test_every_fuzzed_config_plans_without_auto(overrides):
     for env in (_env(), _env("cuda:0"), _env("cuda:0", 2)):
         doc = plan.resolve(cfg, env).as_dict()
         assert not _autos(doc), (overrides, _autos(doc))
+
+
+@pytest.mark.parametrize("strategy", ["none", "ddp", "fsdp"])
+def test_placed_plan_holds_the_bucket_plan_or_the_fsdp_units(strategy):
+    """The plan placed on a model: ddp's buckets and fsdp's units, by module name in gradient-ready order, in
+    plan.json; the functions that build them (wrap, shard, the sharded optimizer) read the same layout."""
+    from trainer import build
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"distributed.strategy={strategy}"])
+    the_plan = plan.resolve(cfg, _env("cpu", 2))
+    placed = the_plan.placed(build.build_model_of(the_plan.cfg, 256, pretrained=False))
+    units = placed.as_dict()["units"]
+    if strategy == "none":
+        assert placed is the_plan and units == [] and placed.layout is None
+        return
+    names = [name for unit in units for name in unit]
+    assert {f"transformer.h.{i}" for i in range(4)} <= set(names) and len(names) == len(set(names))
+    assert names.index("transformer.h.3") < names.index("transformer.h.0")  # the last block's gradients first
+    if strategy == "ddp":
+        assert [tuple(b.units) for b in placed.layout.buckets] == [tuple(u) for u in units]
+        assert "embeddings" in names
+    else:
+        assert len(placed.layout) == len(units)

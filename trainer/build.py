@@ -39,9 +39,10 @@ def describe_path(plan: plan_rules.Plan, opt) -> str:
     return f"path: {path}; {', '.join(kernels)}{reasons}"
 
 
-def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say=None) -> nn.Module:
-    """The model the config describes (the built-in GPT, ``model.target``'s, or the
-    Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's), on ``device``.
+def make_model(plan: plan_rules.Plan, vocab_size: int, env=None, say=None) -> nn.Module:
+    """The model the plan's config describes (the built-in GPT, ``model.target``'s, or the
+    Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's), on the plan's
+    device.
 
     A model trained from scratch on a CUDA device is built on it, where its random initialization takes
     milliseconds (an 8B model's takes about a minute on the host's single random-number stream); one that does
@@ -57,10 +58,11 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
     """
     from trainer.distributed.fsdp import parameters_on_meta
 
+    cfg, device = plan.cfg, plan.device
     m = cfg.model
-    check_attention(cfg, device, amp_dtype(cfg.train.precision, device))
-    fsdp = plan_rules.Strategy.of(cfg, env).fsdp
-    if cfg.train.precision == "fp8":
+    check_attention(cfg, device, plan.autocast)
+    fsdp = plan.strategy.fsdp
+    if plan.precision == "fp8":
         from trainer.precision import fp8
 
         fp8.check_available(device)  # before anything is built: exit 2 where float8 cannot run
@@ -81,7 +83,7 @@ def make_model(cfg: Config, vocab_size: int, device: torch.device, env=None, say
             return build(False)
 
     def ready(model: nn.Module, say) -> nn.Module:  # checked against the data, then fp8's layers
-        return _maybe_fp8(check_fits_data(model, cfg, vocab_size, say), cfg, env, say)
+        return _maybe_fp8(check_fits_data(model, cfg, vocab_size, say), plan, say)
 
     if not fsdp:
         return ready(whole(), say).to(device)
@@ -109,20 +111,20 @@ def build_model_of(cfg: Config, vocab_size: int, pretrained: bool) -> nn.Module:
     )  # fmt: skip
 
 
-def fp8_all_gather(cfg: Config, env) -> bool:
+def fp8_all_gather(plan: plan_rules.Plan) -> bool:
     """Whether fp8 weights are all-gathered in float8: fsdp on several ranks with the tensorwise recipe."""
-    fsdp = plan_rules.Strategy.of(cfg, env).fsdp
-    return cfg.train.precision == "fp8" and fsdp and cfg.train.fp8_recipe == "tensorwise"
+    return plan.precision == "fp8" and plan.strategy.fsdp and plan.cfg.train.fp8_recipe == "tensorwise"
 
 
-def _maybe_fp8(model: nn.Module, cfg: Config, env, say) -> nn.Module:
+def _maybe_fp8(model: nn.Module, plan: plan_rules.Plan, say) -> nn.Module:
     """``model`` with its linears converted to float8 training under ``train.precision=fp8`` (the rule:
     :mod:`trainer.precision.fp8`); ``say`` gets how many, and why the others are not."""
-    if cfg.train.precision != "fp8":
+    cfg = plan.cfg
+    if plan.precision != "fp8":
         return model
     from trainer.precision import fp8
 
-    all_gather = fp8_all_gather(cfg, env)
+    all_gather = fp8_all_gather(plan)
     conversion = fp8.convert(model, cfg.train.fp8_recipe, fsdp_all_gather=all_gather)
     if say is not None:
         say(conversion.describe() + ("; weights all-gathered in float8" if all_gather else ""))
@@ -259,13 +261,14 @@ def cpu_cost(cfg: Config, model: nn.Module, quiet_below_s: float = 600) -> str |
             "configs/tiny.yaml trains on a CPU in about a minute")  # fmt: skip
 
 
-def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, cfg: Config, env, say):
-    """The :class:`trainer.step.TrainStep` the config describes (``model``: what :func:`wrap` returned)."""
+def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_rules.Plan, env, say):
+    """The :class:`trainer.step.TrainStep` the plan describes (``model``: what :func:`wrap` returned)."""
     from trainer.step import TrainStep
 
+    cfg = plan.cfg
     return TrainStep(
         model, raw_model, opt, grad_accum=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, scaler=scaler,
-        amp_dtype=amp_dtype(cfg.train.precision, env.device), env=env, graphed=cfg.compile.cudagraphs,
+        amp_dtype=plan.autocast, env=env, graphed=cfg.compile.cudagraphs,
         skip_non_finite=cfg.train.on_nan == "skip", backward_ctx=backward_context(cfg),
         fallback=eager_fallback(raw_model, cfg, env, say, opt=opt), say=say,
     )  # fmt: skip
@@ -317,37 +320,36 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, env=None) -> torch.optim.Optimizer:
-    """The optimizer the config describes over ``model``'s :func:`param_groups`.
+def build_optimizer(model: nn.Module, plan: plan_rules.Plan) -> torch.optim.Optimizer:
+    """The optimizer the plan describes (its ``optim_impl``) over ``model``'s :func:`param_groups`.
 
-    With ``distributed.shard_optimizer`` under torchrun (``env``) and ddp, a
+    With ``distributed.shard_optimizer`` under torchrun and ddp, a
     :class:`~trainer.distributed.zero.ShardedOptimizer`: it moves the parameters into the bucket plan's flat buffers
     (build it before :func:`wrap`, which reduces over its plan) and keeps this rank's shard of the state, in torch's
     optimizer (``auto``: fused on CUDA; ours re-lays parameters out in buffers of its own).
     """
     from trainer.compile import optimizer
 
-    o, d = cfg.optim, cfg.distributed
+    o = plan.cfg.optim
     kwargs = dict(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                  momentum=o.momentum, device=device)  # fmt: skip
+                  momentum=o.momentum, device=plan.device)  # fmt: skip
     groups = param_groups(model, o.weight_decay)
-    if (strategy := plan_rules.Strategy.of(cfg, env)).zero:
+    if plan.strategy.zero:
         from trainer.distributed import zero
-        from trainer.distributed.buckets import plan_buckets
 
-        plan = plan_buckets(model, d.bucket_mb, cfg.compile.blocks, d.split_tail)
-        impl, _ = plan_rules.optim_impl(cfg, device, strategy, plan_rules.precision(cfg.train.precision, device))
-        inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=impl, max_grad_norm=0.0, **kwargs)
-        return zero.ShardedOptimizer(groups, plan, inner, max_grad_norm=o.grad_clip)
+        buckets = (plan if plan.layout is not None else plan.placed(model)).layout
+        inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=plan.optim_impl,
+                                                                 max_grad_norm=0.0, **kwargs)  # fmt: skip
+        return zero.ShardedOptimizer(groups, buckets, inner, max_grad_norm=o.grad_clip)
     opt = optimizer.build_optimizer(
         groups,
-        impl=o.impl,
+        impl=plan.optim_impl,
         max_grad_norm=o.grad_clip,
         sharded=is_sharded(model),
-        scaled=amp_dtype(cfg.train.precision, device) == torch.float16,
+        scaled=plan.autocast == torch.float16,
         **kwargs,
     )
-    if fp8_all_gather(cfg, env):  # the float8 weights' scales for the next all-gather, after each update
+    if fp8_all_gather(plan):  # the float8 weights' scales for the next all-gather, after each update
         from trainer.precision import fp8
 
         opt.register_step_post_hook(fp8.after_optimizer_step(model))
@@ -396,11 +398,6 @@ def check_attention(cfg: Config, device: torch.device, dtype) -> None:
         ) from None
 
 
-def amp_dtype(precision: str, device: torch.device):
-    """The autocast dtype of ``train.precision`` on ``device`` (None: fp32); the rule for auto: :mod:`trainer.plan`."""
-    return plan_rules.AUTOCAST[plan_rules.precision(precision, device)]
-
-
 def grad_scaler(dtype, device: torch.device):
     """fp16's gradient scaler (None for other precisions)."""
     return torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
@@ -444,12 +441,13 @@ def checkpoint_activations(model: nn.Module, cfg: Config, say=None) -> None:
         say(f"activation checkpointing: {note}")
 
 
-def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True,  # noqa: A002
+def wrap(model: nn.Module, plan: plan_rules.Plan, env, say, compile: bool = True,  # noqa: A002
          opt=None) -> tuple[nn.Module, object | None]:  # fmt: skip
     """Compilation and data-parallel wrapping: ``(the module the loop calls, the DDP graph splitter or None)``.
 
     ``opt``: the run's optimizer; a sharded one (``distributed.shard_optimizer``) brings the bucket plan and the flat
     buffers its parameters live in, and ddp reduce-scatters into its gradient shards."""
+    cfg = plan.cfg
     strategy = cfg.distributed.strategy
     if env.distributed and strategy == "none":
         raise ValueError(
@@ -461,39 +459,39 @@ def wrap(model: nn.Module, cfg: Config, env, say, compile: bool = True,  # noqa:
         if cfg.distributed.shard_optimizer:
             say("distributed.shard_optimizer=true has no effect in a single process (no torchrun)")
     checkpoint_activations(model, cfg, say=say)  # before compile and DDP; under FSDP shard() did it already
-    plan = splitter = None
+    buckets = splitter = None
     shards = getattr(opt, "shards", None)  # distributed.shard_optimizer: the plan the parameters were moved into
-    if plan_rules.Strategy.of(cfg, env).ddp:
+    if plan.strategy.ddp:
         from trainer.distributed import ddp
-        from trainer.distributed.buckets import plan_buckets
 
-        d = cfg.distributed
-        plan = shards.plan if shards is not None else plan_buckets(model, d.bucket_mb, cfg.compile.blocks, d.split_tail)
+        placed = plan if plan.layout is not None else plan.placed(model)
+        buckets = shards.plan if shards is not None else placed.layout
         if compile and splits_at_buckets(cfg.compile):
             c = cfg.compile
             from trainer.compile.capture import enabled_kernels, inner_backend
 
             backend = inner_backend(c.backend, c.mode, dict(c.inductor_options), enabled_kernels(c))
-            splitter = ddp.PlanSplitter(plan, backend)
+            splitter = ddp.PlanSplitter(buckets, backend)
     # A sharded model had its blocks compiled by shard(), before fully_shard.
     if compile and cfg.compile.enabled and not is_sharded(model):
         from trainer.compile.capture import apply_compile
 
         model = apply_compile(model, cfg.compile, say=say, backend=splitter)
-    if plan is not None:
+    if buckets is not None:
         from trainer.distributed.fsdp import DTYPES
 
-        model = ddp.DataParallel(model, plan, reduce_dtype=DTYPES[cfg.distributed.reduce_dtype], shards=shards)
+        model = ddp.DataParallel(model, buckets, reduce_dtype=DTYPES[plan.reduce_dtype], shards=shards)
     return model, splitter
 
 
-def shard(model: nn.Module, cfg: Config, env, say) -> None:
+def shard(model: nn.Module, plan: plan_rules.Plan, env, say) -> None:
     """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard; every rank's
     shards are then rank 0's values (``model`` as :func:`make_model` built it under fsdp)."""
     import dataclasses
 
     from trainer.distributed.fsdp import DTYPES, apply_fsdp, describe_units, full_state, materialize_from_rank0
 
+    cfg = plan.cfg
     c, d = cfg.compile, cfg.distributed
     full = full_state(model) if env.rank == 0 else None  # rank 0 built it whole (make_model), the others on meta
     checkpoint_activations(model, cfg)  # inside the compiled forward and FSDP's hooks; wrap() says so
@@ -504,15 +502,15 @@ def shard(model: nn.Module, cfg: Config, env, say) -> None:
             say("fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP")
         blocks = dataclasses.replace(c, scope="blocks")
         apply_compile(model, blocks, say=say or (lambda m: None), hooks_outside=True)
-    param_dtype = DTYPES[plan_rules.param_dtype(d.param_dtype, plan_rules.precision(cfg.train.precision, env.device))]
-    units = fsdp_units(model, cfg)
+    param_dtype = DTYPES[plan.param_dtype]
+    units = (plan if plan.layout is not None else plan.placed(model)).layout
     if say:  # the report's first line; `trainer explain` prints all of it
         say(describe_units(model, units, d.fsdp_unit_mb).split("\n", 1)[0])
     apply_fsdp(
         model,
         units,
         param_dtype=None if param_dtype in (None, torch.float32) else param_dtype,
-        reduce_dtype=DTYPES[d.reduce_dtype],
+        reduce_dtype=DTYPES[plan.reduce_dtype],
         reshard_after_forward=d.reshard_after_forward,
     )
     materialize_from_rank0(model, full, env.device)

@@ -60,12 +60,12 @@ class Trainer:
         cfg = resolved.cfg
         run_dir = Path(cfg.run.dir)
         build.seed_everything(cfg.seed)
-        # The data, the model (checked against the data), the optimizer and schedule; a resume's state. The run
-        # directory is written once the data and the model are known to fit (and the memory predicted).
+        # The data, the model (checked against the data) and its layout, the optimizer; a resume's state.
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip
         batches = build.batches(cfg, corpus, env)
-        self.raw_model = raw_model = build.make_model(cfg, corpus.vocab_size, device, env, say)
+        self.raw_model = raw_model = build.make_model(resolved, corpus.vocab_size, env, say)
+        resolved = resolved.placed(raw_model)  # the bucket plan or the FSDP units
         if env.is_main:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             resolved.write(run_dir)  # config.yaml and plan.json
@@ -75,8 +75,8 @@ class Trainer:
 
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
         if resolved.strategy.fsdp:
-            build.shard(raw_model, cfg, env, say=say)
-        opt = build.build_optimizer(raw_model, cfg, device, env)  # shard_optimizer: parameters moved into buckets
+            build.shard(raw_model, resolved, env, say=say)
+        opt = build.build_optimizer(raw_model, resolved)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
         scaler = build.grad_scaler(resolved.autocast, device)
         ckpts = Checkpointer(run_dir, cfg, env, raw_model, opt, sched, scaler, batches)
@@ -84,8 +84,8 @@ class Trainer:
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
                           tensorboard=cfg.log.tensorboard, start_step=step)  # fmt: skip
-        model, self.splitter = build.wrap(raw_model, cfg, env, say=metrics.print, opt=opt)
-        train_step = build.train_step(model, raw_model, opt, scaler, cfg, env, say=metrics.print)
+        model, self.splitter = build.wrap(raw_model, resolved, env, say=metrics.print, opt=opt)
+        train_step = build.train_step(model, raw_model, opt, scaler, resolved, env, say=metrics.print)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         metrics.print(build.describe_run(resolved, raw_model, corpus, tokens_per_step))
         metrics.print(build.describe_path(resolved, opt))

@@ -77,7 +77,10 @@ def static_parts(
         ),  # fmt: skip
     }
     if strategy.fsdp:
-        gathered_bytes = 2 if cfg.distributed.param_dtype in ("auto", "bf16", "fp16") else 4
+        from trainer.plan import param_dtype, precision
+
+        gathered = param_dtype(cfg.distributed.param_dtype, precision(cfg.train.precision, torch.device(device_type)))
+        gathered_bytes = 4 if gathered == "fp32" else 2
         if not cfg.distributed.reshard_after_forward:
             parts["gathered (fsdp)"] = (n * gathered_bytes, "every unit stays gathered from forward to backward")
         else:

@@ -13,6 +13,7 @@ saying what it became and why. ``trainer explain`` prints the same lines.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,9 @@ class Plan:
         choices: one line per ``auto``: what it became and why.
         device_memory: the device's memory in bytes (CUDA), None elsewhere.
         capability: the CUDA device's compute capability, e.g. ``(9, 0)``; None elsewhere.
+        layout: once :meth:`placed` on the model: the bucket plan (ddp, a
+            :class:`~trainer.distributed.buckets.BucketPlan`) or the FSDP units (fsdp, lists of modules); else None.
+        units: the layout's units by name, for ``plan.json``: each bucket's or FSDP unit's modules.
     """
 
     cfg: Config
@@ -96,11 +100,32 @@ class Plan:
     choices: tuple[str, ...] = field(default=())
     device_memory: int | None = None
     capability: tuple[int, int] | None = None
+    layout: object | None = field(default=None, compare=False, repr=False)
+    units: tuple[tuple[str, ...], ...] = ()
 
     @property
     def autocast(self) -> torch.dtype | None:
         """The autocast dtype of the forward (None: fp32, no autocast)."""
         return AUTOCAST[self.precision]
+
+    def placed(self, model) -> Plan:
+        """This plan with ``model``'s layout: the bucket plan under ddp, the FSDP units under fsdp (on any rank's
+        model, whole or on the meta device); itself otherwise."""
+        d = self.cfg.distributed
+        if self.strategy.ddp:
+            from trainer.distributed.buckets import plan_buckets
+
+            layout = plan_buckets(model, d.bucket_mb, self.cfg.compile.blocks, d.split_tail)
+            units = tuple(tuple(b.units) for b in layout.buckets)
+        elif self.strategy.fsdp:
+            from trainer.distributed.fsdp import block_units
+
+            layout = block_units(model, self.cfg.compile.blocks, d.fsdp_unit_mb or None)
+            names = {id(m): name for name, m in model.named_modules()}
+            units = tuple(tuple(names[id(m)] for m in unit) for unit in layout)
+        else:
+            return self
+        return dataclasses.replace(self, layout=layout, units=units)
 
     @property
     def compile_reasons(self) -> list[str]:
@@ -128,6 +153,7 @@ class Plan:
             "compile.enabled": bool(c.enabled),
             "compile.cudagraphs": bool(c.cudagraphs) and self.device.type == "cuda",
             "compile.kernels": list(c.kernels),
+            "units": [list(u) for u in self.units],
             "choices": list(self.choices),
         }
 
@@ -254,6 +280,13 @@ def resolve(cfg: Config, env) -> Plan:
         reduce_dtype=d.reduce_dtype, optim_impl=impl, data_dtype=ddtype, attention=attention,
         checkpointing=t.activation_checkpointing, choices=tuple(choices), **_device_facts(device),
     )  # fmt: skip
+
+
+def one_process(cfg: Config, device: str | torch.device = "cpu") -> Plan:
+    """The plan of ``cfg`` in one process on ``device``, without torchrun: for pieces built alone (tests, probes)."""
+    from trainer.distributed.env import DistEnv
+
+    return resolve(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device(device), backend=None))
 
 
 def _device_facts(device: torch.device) -> dict:

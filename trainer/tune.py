@@ -384,9 +384,9 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
     """``trainer tune``: measure, print the table, write ``CONFIG.tuned.yaml``. Returns the exit code."""
     world = World.from_env()
     if world.size > 1:
-        import torch.distributed as dist
+        from trainer.distributed.env import coordination_group
 
-        dist.init_process_group("gloo")
+        coordination_group()
     quiet = (lambda *_: None) if world.rank else say
     s = Session(config, overrides, budget_s, reuse=True, say=quiet)
     quiet(f"tune: {config} on {world.size} rank{'s' if world.size > 1 else ''}, budget {budget_s:.0f} s; "
@@ -427,9 +427,9 @@ def explain_memory(config: str, overrides: list[str], say=print) -> int:
         return 0
     world = World.from_env()
     if world.size > 1:
-        import torch.distributed as dist
+        from trainer.distributed.env import coordination_group
 
-        dist.init_process_group("gloo")
+        coordination_group()
     s = Session(config, overrides, None, reuse=False, say=(lambda *_: None) if world.rank else say)
     s.per_rank = None  # one micro-batch a step: the probes' sizes need not divide the global batch
     probe_modes(s, b0)
@@ -495,14 +495,14 @@ def cpu_peak(cfg: Config, mode: str, micro_batch: int, vocab_size: int, parts: d
     cfg = copy.deepcopy(cfg)
     cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.activation_checkpointing = micro_batch, 1, mode
     cfg.train.device = "cpu"
-    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
-    p = plan.resolve(cfg, env)
+    p = plan.one_process(cfg, "cpu")
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=p.device, backend=None)
     quiet = lambda *_: None  # noqa: E731
     torch.manual_seed(0)
-    model = build.make_model(p.cfg, vocab_size, env.device, env)
-    opt = build.build_optimizer(model, p.cfg, env.device, env)
-    wrapped, _ = build.wrap(model, p.cfg, env, say=quiet, opt=opt)
-    step = build.train_step(wrapped, model, opt, None, p.cfg, env, say=quiet)
+    model = build.make_model(p, vocab_size, env)
+    opt = build.build_optimizer(model, p)
+    wrapped, _ = build.wrap(model, p, env, say=quiet, opt=opt)
+    step = build.train_step(wrapped, model, opt, None, p, env, say=quiet)
     x = torch.randint(0, vocab_size, (micro_batch, cfg.data.seq_len))
     batch = lambda _i: (x, x)  # noqa: E731
     step(batch)  # the first step creates the gradients and the optimizer state

@@ -75,6 +75,14 @@ def exit_code(code: int) -> int:
     return code
 
 
+def coordination_group() -> None:
+    """A gloo process group over torchrun's ranks, for processes that coordinate rather than train (``trainer
+    tune``: the candidates run in processes of their own); such a process exits through :func:`exit_code`'s path."""
+    global _GLOO_USED
+    dist.init_process_group("gloo")
+    _GLOO_USED = True
+
+
 def print_error(e: BaseException, prefix: str = "trainer: error") -> None:
     """Print ``e`` on stderr, naming the rank under torchrun (but rank 0); one that every rank raised together
     (``e.all_ranks``) is printed by rank 0 alone."""
