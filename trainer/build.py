@@ -183,16 +183,16 @@ def backward_context(cfg: Config):
                                      options=options)  # fmt: skip
 
 
-def eager_fallback(raw_model: nn.Module, cfg: Config, env, say, opt=None):
+def eager_fallback(raw_model: nn.Module, plan: plan_rules.Plan, env, say, opt=None):
     """``compile.fallback``: None (a compile failure stops the run), or for ``eager`` what replaces a model whose
     compile failed: the same parameters, uncompiled, wrapped again for data parallelism (``opt``: as :func:`wrap`)."""
-    if cfg.compile.fallback != "eager":
+    if plan.cfg.compile.fallback != "eager":
         return None
 
     def fallback(model: nn.Module) -> nn.Module:
         if hasattr(model, "remove_hooks"):
             model.remove_hooks()  # the new wrapper registers its own on the same parameters
-        return wrap(uncompiled(raw_model), cfg, env, say=say, compile=False, opt=opt)[0]
+        return wrap(uncompiled(raw_model), plan, env, say=say, compile=False, opt=opt)[0]
 
     return fallback
 
@@ -270,7 +270,7 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
         model, raw_model, opt, grad_accum=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, scaler=scaler,
         amp_dtype=plan.autocast, env=env, graphed=cfg.compile.cudagraphs,
         skip_non_finite=cfg.train.on_nan == "skip", backward_ctx=backward_context(cfg),
-        fallback=eager_fallback(raw_model, cfg, env, say, opt=opt), say=say,
+        fallback=eager_fallback(raw_model, plan, env, say, opt=opt), say=say,
     )  # fmt: skip
 
 
