@@ -179,6 +179,8 @@ def test_tune_on_the_cpu_writes_a_config_that_trains(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| # | candidate | tok/s | peak GB | predicted GB | status |" in r.stdout
     assert r.stdout.count("train.micro_batch_size=") >= 3 and "**fastest**" in r.stdout
+    if torch.get_num_threads() > 1:  # half the threads, on the fastest micro-batch
+        assert f"train.threads={torch.get_num_threads() // 2} |" in r.stdout
     tuned = tmp_path / "tiny.tuned.yaml"
     head = tuned.read_text().splitlines()[:3]
     assert head[0].startswith("# trainer tune") and "tok/s" in head[1] and "Overrides over" in head[2]

@@ -197,6 +197,13 @@ def eager_fallback(raw_model: nn.Module, plan: plan_rules.Plan, env, say, opt=No
     return fallback
 
 
+def set_up_process(cfg: Config) -> None:
+    """What a run sets for its whole process: the seeds, and ``train.threads``."""
+    seed_everything(cfg.seed)
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's generators (the model's initialisation; data order has its own)."""
     random.seed(seed)

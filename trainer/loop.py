@@ -59,7 +59,7 @@ class Trainer:
         resolved = plan.resolve(self.cfg, env)  # every auto, once: the compile switches the fastest path here
         cfg = resolved.cfg
         run_dir = Path(cfg.run.dir)
-        build.seed_everything(cfg.seed)
+        build.set_up_process(cfg)  # the seeds, train.threads
         # The data, the model (checked against the data) and its layout, the optimizer; a resume's state.
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip

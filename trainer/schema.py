@@ -161,6 +161,9 @@ class TrainConfig:
     in float8) or per row (rowwise: finer, slower)."""
     device: str = "auto"
     """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    threads: int | None = _f(None, gt=0)
+    """Threads for torch's CPU ops (torch.set_num_threads); null: torch's default. trainer tune searches it on a
+    CPU."""
     eval_every: int = _f(0, ge=0)
     """Validation loss every N steps and at the end (0: only at the end)."""
     eval_batches: int = _f(8, gt=0)

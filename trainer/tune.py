@@ -276,7 +276,7 @@ def search(s: Session) -> None:
     micro-batch (unless one was measured before), then the largest micro-batch the estimate says fits; a mode is
     tried only where it fits a larger micro-batch than the cheaper modes did. Then, on the fastest: fp8 where the
     GPU has float8 tensor cores and torchao is installed, and half and twice the bucket (ddp) or unit (fsdp) size.
-    On CPU: the micro-batches, largest first (checkpointing only slows a step there)."""
+    On CPU: the micro-batches, largest first (checkpointing only slows a step there), then half the threads."""
     cfg, est = s.cfg, s.estimate
     sizes = divisors(s.per_rank)
     b0 = cfg.train.micro_batch_size
@@ -284,6 +284,9 @@ def search(s: Session) -> None:
         for b in sorted(sizes, reverse=True)[:4]:
             if s.affords():
                 s.measure(cfg.train.activation_checkpointing, b)
+        best, cores = fastest(s.measured), cfg.train.threads or torch.get_num_threads()
+        if best is not None and cores > 1 and s.affords():  # torch's default is not always the fastest: measured
+            s.measure(best.mode, best.micro_batch, [f"train.threads={cores // 2}"])
         return
     reached = 0  # the largest micro-batch a cheaper mode ran at
     for mode in MODES:
@@ -421,6 +424,8 @@ def explain_memory(config: str, overrides: list[str], say=print) -> int:
     cfg = load_config(config, overrides)
     b0 = cfg.train.micro_batch_size
     if not on_cuda(cfg):
+        if World.from_env().rank:  # each rank's model is the same; rank 0 speaks
+            return 0
         est = cpu_estimate(cfg, b0)
         say(est.describe(GRID, f"memory on the CPU, counted, and probed at micro-batch {b0} (host memory is not "
                               "checked against a limit):"))  # fmt: skip
