@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from trainer.distributed.env import DistEnv
+from trainer.distributed.sync import BucketSync, NoSync
 from trainer.step import GRAPH_AFTER_STEPS, TrainingError, TrainStep
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
@@ -27,7 +28,9 @@ class Regression(nn.Module):
 
 
 class RecordingSGD(torch.optim.SGD):
-    """SGD that keeps the gradients each step saw."""
+    """SGD that keeps the gradients each step saw; the step clips for it."""
+
+    clips_grad_norm = False
 
     def __init__(self, params, **kwargs):
         super().__init__(params, lr=0.1, **kwargs)
@@ -82,7 +85,7 @@ def test_clipping_reports_the_norm_before_and_clips_to_the_limit(clip):
 
 
 class SyncedModel(nn.Module):
-    """A data-parallel wrapper's surface: no_sync() and finish_grad_sync(norm=...), recorded."""
+    """The surface of ddp's wrapper that BucketSync calls: no_sync() and finish_grad_sync(norm=...), recorded."""
 
     def __init__(self, inner):
         super().__init__()
@@ -106,7 +109,9 @@ def test_the_sync_waits_until_the_last_micro_batch_and_its_norm_is_the_one_repor
     inner = Regression()
     wrapped = SyncedModel(inner)
     opt = RecordingSGD(inner.parameters())
-    out = TrainStep(wrapped, inner, opt, grad_accum=3, grad_clip=0.0, amp_dtype=None, env=CPU)(_batches(3))
+    step = TrainStep(wrapped, inner, opt, grad_accum=3, grad_clip=0.0, amp_dtype=None, env=CPU,
+                     sync=BucketSync(wrapped))  # fmt: skip
+    out = step(_batches(3))
     assert wrapped.calls == ["no_sync", "forward", "no_sync", "forward", "forward", "finish(norm=True)"]
     assert out.grad_norm.item() == 7.0  # ddp's norm, computed as the buckets were reduced: not computed again
 
@@ -183,7 +188,7 @@ def test_a_compile_failure_falls_back_to_eager_or_stops_the_run(monkeypatch):
     monkeypatch.setattr("trainer.compile.debug.compile_error_hint", lambda e: "hint")
     eager = Regression()
     eager.lin = model.lin  # the same parameters, a forward that works
-    step = _step(model, opt, fallback=lambda m: eager, say=said.append)
+    step = _step(model, opt, fallback=lambda m, sync: (eager, NoSync()), say=said.append)
     out = step(batch_of)
     assert not out.skipped and len(opt.seen) == 1 and step.model is eager
     assert "compile.fallback=eager" in said[0]

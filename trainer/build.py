@@ -31,8 +31,8 @@ def describe_path(plan: plan_rules.Plan, opt) -> str:
     if c.cudagraphs and device.type == "cuda":
         path += f", the whole step replayed as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps"
     kernels = [f"{opt.impl} {cfg.optim.name}"]
-    if getattr(opt, "shard_world", None):  # distributed.shard_optimizer (trainer.distributed.zero)
-        kernels.append(f"optimizer state sharded over {opt.shard_world} ranks")
+    if plan.strategy.zero:  # distributed.shard_optimizer (trainer.distributed.zero)
+        kernels.append(f"optimizer state sharded over {plan.strategy.world} ranks")
     if c.enabled and c.kernels:
         kernels.append(f"kernels substituted where they match: {' '.join(c.kernels)}")
     reasons = f" ({'; '.join(why)})" if why else ""
@@ -189,10 +189,12 @@ def eager_fallback(raw_model: nn.Module, plan: plan_rules.Plan, env, say, opt=No
     if plan.cfg.compile.fallback != "eager":
         return None
 
-    def fallback(model: nn.Module) -> nn.Module:
-        if hasattr(model, "remove_hooks"):
-            model.remove_hooks()  # the new wrapper registers its own on the same parameters
-        return wrap(uncompiled(raw_model), plan, env, say=say, compile=False, opt=opt)[0]
+    def fallback(model: nn.Module, sync) -> tuple[nn.Module, object]:
+        from trainer.distributed import sync as grad_sync
+
+        sync.detach()  # the new wrapper registers its own hooks on the same parameters
+        model = wrap(uncompiled(raw_model), plan, env, say=say, compile=False, opt=opt)[0]
+        return model, grad_sync.of(model, plan)
 
     return fallback
 
@@ -270,6 +272,7 @@ def cpu_cost(cfg: Config, model: nn.Module, quiet_below_s: float = 600) -> str |
 
 def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_rules.Plan, env, say):
     """The :class:`trainer.step.TrainStep` the plan describes (``model``: what :func:`wrap` returned)."""
+    from trainer.distributed import sync
     from trainer.step import TrainStep
 
     cfg = plan.cfg
@@ -277,7 +280,7 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
         model, raw_model, opt, grad_accum=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, scaler=scaler,
         amp_dtype=plan.autocast, env=env, graphed=cfg.compile.cudagraphs,
         skip_non_finite=cfg.train.on_nan == "skip", backward_ctx=backward_context(cfg),
-        fallback=eager_fallback(raw_model, plan, env, say, opt=opt), say=say,
+        fallback=eager_fallback(raw_model, plan, env, say, opt=opt), say=say, sync=sync.of(model, plan),
     )  # fmt: skip
 
 
@@ -467,7 +470,8 @@ def wrap(model: nn.Module, plan: plan_rules.Plan, env, say, compile: bool = True
             say("distributed.shard_optimizer=true has no effect in a single process (no torchrun)")
     checkpoint_activations(model, cfg, say=say)  # before compile and DDP; under FSDP shard() did it already
     buckets = splitter = None
-    shards = getattr(opt, "shards", None)  # distributed.shard_optimizer: the plan the parameters were moved into
+    # distributed.shard_optimizer: the bucket plan the parameters were moved into
+    shards = opt.shards if plan.strategy.zero and opt is not None else None
     if plan.strategy.ddp:
         from trainer.distributed import ddp
 

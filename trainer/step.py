@@ -24,9 +24,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from trainer.distributed import env as dist_env
 from trainer.distributed.fsdp import is_sharded
+from trainer.distributed.sync import GradSync, NoSync
 from trainer.models import loss_of
 
 # Ordinary (compiled) steps before the capture: every kernel compiled and run once, the allocator warm.
@@ -77,7 +79,8 @@ class TrainStep:
     Args:
         model: the module to call: compiled and wrapped for data parallelism, or not.
         raw_model: the unwrapped model, whose parameters are clipped and whose gradients a graph captures.
-        opt: the optimizer. Ours clip inside their step (``opt.clips_grad_norm``).
+        opt: the optimizer, with ``clips_grad_norm``: whether it clips inside its own step (ours do), reading the
+            norm it gives with ``grad_norm()`` (what :func:`trainer.compile.optimizer.build_optimizer` builds).
         grad_accum: micro-batches per step.
         grad_clip: clip gradients to this global norm (0: the norm is measured, nothing is clipped).
         amp_dtype: the autocast dtype, or None for fp32.
@@ -86,15 +89,19 @@ class TrainStep:
         graphed: capture the whole step as one CUDA graph after :data:`GRAPH_AFTER_STEPS` ordinary steps.
         skip_non_finite: skip the update of a step whose loss or norm is not finite (one host sync per step).
         backward_ctx: a factory of the context each micro-step runs in (compiled autograd), or None.
-        fallback: on a compile failure, ``fallback(model) -> eager model`` to go on with; None stops the run.
+        fallback: on a compile failure, ``fallback(model, sync) -> (eager model, its sync)`` to go on with; None
+            stops the run.
         say: prints a line for the user (rank 0's console).
+        sync: how the gradients reach the other ranks (:mod:`trainer.distributed.sync`); None: one process.
     """
 
     def __init__(self, model: nn.Module, raw_model: nn.Module, opt, *, grad_accum: int, grad_clip: float,
                  amp_dtype: torch.dtype | None, env: dist_env.DistEnv, scaler=None, graphed: bool = False,
                  skip_non_finite: bool = False, backward_ctx: Callable | None = None,
-                 fallback: Callable[[nn.Module], nn.Module] | None = None, say: Callable = print):  # fmt: skip
+                 fallback: Callable | None = None, say: Callable = print,
+                 sync: GradSync | None = None):  # fmt: skip
         self.model, self.raw_model, self.opt, self.env = model, raw_model, opt, env
+        self.sync = sync or NoSync()
         self.accum, self.grad_clip = grad_accum, grad_clip
         self.graphed = graphed and env.device.type == "cuda"
         self.skip_non_finite = skip_non_finite
@@ -103,7 +110,7 @@ class TrainStep:
         device = env.device
         self.autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else None
         self.scaler = scaler
-        self.clips_itself = getattr(opt, "clips_grad_norm", False)
+        self.clips_itself = opt.clips_grad_norm
         # 1/accum as a device tensor, not a Python number: compiled autograd lifts a Python scalar saved by
         # DivBackward into its graph, and torch 2.11's Inductor then called .item() on it in the generated
         # Triton code (seen on an H100). A tensor factor is an ordinary graph input.
@@ -117,8 +124,8 @@ class TrainStep:
         if self.graphed and self.calls > GRAPH_AFTER_STEPS:
             return self._replay(batch_of)
         loss = self._forward_backward_or_fall_back(batch_of)
-        # ddp: waits for the bucket all-reduces started during the backward
-        norm = _finish_grad_sync(self.model, self.clips_itself or self.scaler is not None)
+        # ddp: waits for the bucket all-reduces started during the backward, and gives the norm computed on the way
+        norm = self.sync.finish(norm=not (self.clips_itself or self.scaler is not None))
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         norm = clip_gradients(self.raw_model, self.opt, self.grad_clip, self.clips_itself, self.scaler, norm)
@@ -138,7 +145,7 @@ class TrainStep:
         loss_sum = None
         for micro in range(self.accum):
             x, y = batch_of(micro)
-            with self.backward_ctx(), _maybe_no_sync(self.model, micro < self.accum - 1):
+            with self.backward_ctx(), self.sync.no_sync(micro < self.accum - 1):
                 with self.autocast or contextlib.nullcontext():
                     loss = loss_of(self.model(x, y))
                 scaled = loss * self.inv_accum if self.accum > 1 else loss
@@ -170,7 +177,7 @@ class TrainStep:
                 raise TrainingError(f"{compile_error_hint(e)}\nSet compile.fallback=eager to run eagerly.") from e
             self.say("[bold red]compile failed; compile.fallback=eager: running this run eagerly (forward, backward "
                      f"and compiled autograd).[/bold red]\n{compile_error_hint(e)}")  # fmt: skip
-            self.model, self.backward_ctx = self.fallback(self.model), contextlib.nullcontext
+            (self.model, self.sync), self.backward_ctx = self.fallback(self.model, self.sync), contextlib.nullcontext
             self.opt.zero_grad(set_to_none=True)
             return self.forward_backward(batch_of)
 
@@ -187,7 +194,7 @@ class TrainStep:
     def _graph_body(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step as captured: no host syncs, no zero_grad (the captured backward writes the gradients)."""
         loss = self.forward_backward(lambda micro: (xs[micro], ys[micro]))
-        norm = _finish_grad_sync(self.model, self.clips_itself)  # ddp: the all-reduces are in the graph
+        norm = self.sync.finish(norm=not self.clips_itself)  # ddp: the all-reduces are in the graph
         norm = clip_gradients(self.raw_model, self.opt, self.grad_clip, self.clips_itself, norm=norm)
         self.opt.step()
         return loss, norm
@@ -212,7 +219,7 @@ def clip_gradients(model: nn.Module, opt, max_norm: float, clips_itself: bool, s
         opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)  # the kernel reads fp32
     elif max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor, reduced over ranks
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: a DTensor, reduced over ranks
 
 
 def _divides_by_grad_scale(opt, model: nn.Module) -> bool:
@@ -223,23 +230,6 @@ def _divides_by_grad_scale(opt, model: nn.Module) -> bool:
     return all(g.get("fused") for g in opt.param_groups) and not is_sharded(model)
 
 
-def _finish_grad_sync(model: nn.Module, own_norm: bool) -> torch.Tensor | None:
-    """ddp: wait for the buckets' all-reduces; returns the gradients' global norm, computed bucket by bucket as
-    the reductions finish (see ``DataParallel.finish_grad_sync``), unless ``own_norm`` (the optimizer computes
-    its own, or fp16's scaled gradients are unscaled later). None without ddp."""
-    finish = getattr(model, "finish_grad_sync", None)
-    return finish(norm=not own_norm) if finish is not None else None
-
-
-def _maybe_no_sync(model: nn.Module, skip_reduction: bool):
-    """The context a micro-batch's backward runs in: no gradient reduction until the last micro-batch."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: no reduce-scatter until the last micro-batch
-        model.set_requires_gradient_sync(not skip_reduction)
-        return contextlib.nullcontext()
-    no_sync = getattr(model, "no_sync", None)
-    return no_sync() if (skip_reduction and no_sync is not None) else contextlib.nullcontext()
-
-
 def _all_finite(loss: torch.Tensor, grad_norm, env: dist_env.DistEnv) -> bool:
     ok = torch.isfinite(loss).all()
     if grad_norm is not None:
@@ -248,5 +238,6 @@ def _all_finite(loss: torch.Tensor, grad_norm, env: dist_env.DistEnv) -> bool:
 
 
 def _is_compile_failure(e: BaseException) -> bool:
-    exc = getattr(getattr(torch, "_dynamo", None), "exc", None)
-    return exc is not None and isinstance(e, exc.TorchDynamoException)
+    import torch._dynamo
+
+    return isinstance(e, torch._dynamo.exc.TorchDynamoException)
