@@ -31,6 +31,7 @@ class RecordingSGD(torch.optim.SGD):
     """SGD that keeps the gradients each step saw; the step clips for it."""
 
     clips_grad_norm = False
+    before_graph_replay = after_graph_replay = None  # a torch optimizer's (StepOptimizer)
 
     def __init__(self, params, **kwargs):
         super().__init__(params, lr=0.1, **kwargs)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -64,6 +64,26 @@ def non_finite_loss(loss: float, step: int, ranks: list[int] | None, world_size:
     )
 
 
+class StepOptimizer(Protocol):
+    """What the step needs of an optimizer beyond ``torch.optim.Optimizer``'s ``step`` and ``zero_grad``
+    (:func:`trainer.compile.optimizer.build_optimizer` and the sharded optimizer give it)."""
+
+    clips_grad_norm: bool
+    """It clips inside its own step, with the norm :meth:`grad_norm` gives (the step clips for it otherwise)."""
+    before_graph_replay: Callable[[], None] | None
+    """Called before a CUDA graph's capture and each replay (ours: the hyperparameters written to the device);
+    None: the optimizer is made capturable instead (torch's)."""
+    after_graph_replay: Callable[[], None] | None
+    """Called after each replay (ours: the host's step count); None with ``before_graph_replay``."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """The gradients' global norm, on the device (with ``clips_grad_norm``)."""
+
+    def step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
 class StepOutput(NamedTuple):
     loss: torch.Tensor
     """The mean loss over the step's micro-batches (this rank's), a device scalar."""
@@ -79,8 +99,7 @@ class TrainStep:
     Args:
         model: the module to call: compiled and wrapped for data parallelism, or not.
         raw_model: the unwrapped model, whose parameters are clipped and whose gradients a graph captures.
-        opt: the optimizer, with ``clips_grad_norm``: whether it clips inside its own step (ours do), reading the
-            norm it gives with ``grad_norm()`` (what :func:`trainer.compile.optimizer.build_optimizer` builds).
+        opt: the optimizer (:class:`StepOptimizer`).
         grad_accum: micro-batches per step.
         grad_clip: clip gradients to this global norm (0: the norm is measured, nothing is clipped).
         amp_dtype: the autocast dtype, or None for fp32.
@@ -95,7 +114,7 @@ class TrainStep:
         sync: how the gradients reach the other ranks (:mod:`trainer.distributed.sync`); None: one process.
     """
 
-    def __init__(self, model: nn.Module, raw_model: nn.Module, opt, *, grad_accum: int, grad_clip: float,
+    def __init__(self, model: nn.Module, raw_model: nn.Module, opt: StepOptimizer, *, grad_accum: int, grad_clip: float,
                  amp_dtype: torch.dtype | None, env: dist_env.DistEnv, scaler=None, graphed: bool = False,
                  skip_non_finite: bool = False, backward_ctx: Callable | None = None,
                  fallback: Callable | None = None, say: Callable = print,
@@ -124,11 +143,7 @@ class TrainStep:
         if self.graphed and self.calls > GRAPH_AFTER_STEPS:
             return self._replay(batch_of)
         loss = self._forward_backward_or_fall_back(batch_of)
-        # ddp: waits for the bucket all-reduces started during the backward, and gives the norm computed on the way
-        norm = self.sync.finish(norm=not (self.clips_itself or self.scaler is not None))
-        if self.scaler is not None:
-            self.scaler.unscale_(self.opt)
-        norm = clip_gradients(self.raw_model, self.opt, self.grad_clip, self.clips_itself, self.scaler, norm)
+        norm = self._reduce_and_clip()
         if self.skip_non_finite and not _all_finite(loss, norm, self.env):  # a host sync
             self.opt.zero_grad(set_to_none=True)
             return StepOutput(loss, norm, skipped=True)
@@ -191,11 +206,19 @@ class TrainStep:
             self.say(f"the whole step captured as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps, replayed")
         return StepOutput(*self.graph(xs, ys))
 
+    def _reduce_and_clip(self) -> torch.Tensor | None:
+        """After the backward, in both paths: the gradients reduced over the ranks (ddp: waits for the bucket
+        reductions started during the backward, and gives the norm computed on the way; in the graph they are
+        captured), fp16's unscaled, then clipped; the norm before clipping."""
+        norm = self.sync.finish(norm=not (self.clips_itself or self.scaler is not None))
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        return clip_gradients(self.raw_model, self.opt, self.grad_clip, self.clips_itself, self.scaler, norm)
+
     def _graph_body(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step as captured: no host syncs, no zero_grad (the captured backward writes the gradients)."""
         loss = self.forward_backward(lambda micro: (xs[micro], ys[micro]))
-        norm = self.sync.finish(norm=not self.clips_itself)  # ddp: the all-reduces are in the graph
-        norm = clip_gradients(self.raw_model, self.opt, self.grad_clip, self.clips_itself, norm=norm)
+        norm = self._reduce_and_clip()
         self.opt.step()
         return loss, norm
 

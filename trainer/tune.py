@@ -1,6 +1,6 @@
 """``trainer tune`` and ``trainer explain --memory``: settings measured in short runs, memory predicted from them.
 
-Each candidate is a short ``trainer fit`` in a child process (:class:`Runner`): 12 steps, the throughput of the
+Each candidate is a short ``trainer fit`` in a child process (:class:`Runner`): 8 steps, the throughput of the
 last 4 (after the compile and the CUDA graph's capture), the peak memory of all of them. An out-of-memory run is
 caught there and recorded. The runs share one compile cache in the work directory (``<run.dir>.tune``), which
 also keeps every measurement (``measured.json``) for the memory model (:mod:`trainer.memory`) of later commands.
@@ -37,7 +37,7 @@ from trainer.memory import (
     work_dir,
 )
 
-STEPS, LOG_EVERY = 12, 4  # a candidate's run: rows at 4 (compile, capture), 8 and 12 (steady)
+STEPS, LOG_EVERY = 8, 4  # a candidate's run: rows at 4 (compile; the graph's capture at the 4th step) and 8 (steady)
 GRID = [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]
 CHILD_ENV_DROP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                   "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip

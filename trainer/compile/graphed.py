@@ -127,7 +127,8 @@ class GraphedStep:
         step_fn: ``step_fn(xs, ys) -> (loss, grad_norm)``: runs every micro-batch's forward and
             backward (``xs[i]``, ``ys[i]``), clips and steps the optimizer. It must not synchronise
             with the host.
-        opt: the optimizer ``step_fn`` steps (made capturable here).
+        opt: the optimizer ``step_fn`` steps (:class:`trainer.step.StepOptimizer`): ours bring their replay hooks,
+            torch's (hooks None) are made capturable here.
         xs, ys: the first batch to run, ``(grad_accum, micro_batch, seq_len)``; their shapes and
             dtypes are the static buffers'.
     """
@@ -135,8 +136,7 @@ class GraphedStep:
     def __init__(self, step_fn: Callable, opt: torch.optim.Optimizer, params, xs: torch.Tensor, ys: torch.Tensor):
         # Our Triton optimizers keep their hyperparameters on the device already: they are written before each
         # replay (a schedule's new lr) and the host counts the replays' steps; torch's are made capturable.
-        self._before = getattr(opt, "before_graph_replay", None)
-        self._after = getattr(opt, "after_graph_replay", None)
+        self._before, self._after = opt.before_graph_replay, opt.after_graph_replay
         if self._before is None:
             make_capturable(opt)
         self.xs, self.ys = xs.clone(), ys.clone()

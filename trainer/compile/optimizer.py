@@ -526,6 +526,7 @@ def build_optimizer(
             opt = cls(groups, lr=lr, betas=betas, eps=eps, **kwargs)
         if resolved == "compiled":
             opt = compile_optimizer(opt, backend="inductor")
+        opt.before_graph_replay = opt.after_graph_replay = None  # torch's: made capturable for a graph instead
     opt.clips_grad_norm = resolved == "triton" and max_grad_norm > 0
     opt.impl = resolved
     log.info("optimizer: %s (%s) on %s, clips grad norm itself: %s", name, resolved, device, opt.clips_grad_norm)

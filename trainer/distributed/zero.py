@@ -195,6 +195,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     clips_grad_norm = True  # trainer.step reads the norm from grad_norm(): no rank has the whole gradients
+    before_graph_replay = after_graph_replay = None  # its inner torch optimizer is made capturable for a graph
 
     def __init__(
         self,
