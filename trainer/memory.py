@@ -151,10 +151,9 @@ class Estimate:
 
     def fit(self, mode: str) -> tuple[float, float] | None:
         """``(bytes per sequence, constant beyond the counted parts)`` of ``mode``, or None before a probe.
-        One measured micro-batch: the line through the counted parts; more: the line through the two largest
-        (the peak's composition changes with the micro-batch: measured on Llama-3.2-1B's shape with full
-        checkpointing, 0.27 GB a sequence between 4 and 8, 0.55 between 32 and 64; the largest probes speak for
-        the micro-batches near the device's limit)."""
+        One measured micro-batch: the line through the counted parts; more: the line through the two largest.
+        The peak's make-up changes with the micro-batch (docs/tuning.md has the measured slopes), so the largest
+        probes are the ones that speak for the micro-batches near the device's limit."""
         by_size: dict[int, list[float]] = {}
         for p in self.points:
             if p.mode == mode and p.peak is not None:
