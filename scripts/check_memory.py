@@ -35,8 +35,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--probe", type=int, default=4, help="the first probe's micro-batch (default 4); the second is "
-                   "chosen as explain --memory chooses it")  # fmt: skip
+    p.add_argument(
+        "--probe",
+        type=int,
+        default=4,
+        help="the first probe's micro-batch (default 4); the second is chosen as explain --memory chooses it",
+    )
     p.add_argument("--points", default="", help="mode:micro-batch,... to measure against the prediction")
     p.add_argument(
         "--boundary",
@@ -47,8 +51,12 @@ def main() -> None:
         help="also each mode's (or these modes') largest predicted fit and the next micro-batch",
     )
     p.add_argument("--device", default="auto", help="train.device (cpu: a smoke run)")
-    p.add_argument("--reuse", metavar="JSON", help="an earlier result file of this script, for the same config on "
-                   "the same device: its runs are not run again")  # fmt: skip
+    p.add_argument(
+        "--reuse",
+        metavar="JSON",
+        help="an earlier result file of this script, for the same config on "
+        "the same device: its runs are not run again",
+    )
     p.add_argument("--out", default=str(ROOT / "scripts/results/check_memory/result.json"))
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="check_memory_")
@@ -69,8 +77,9 @@ def main() -> None:
         if (mode, b) not in earlier:
             return run(mode, b)
         r = earlier[(mode, b)]
-        return Point(mode, b, r["measured_gb"] and r["measured_gb"] * GB, r["tokens_per_s"], r["status"],
-                     seconds=r["seconds"])  # fmt: skip
+        return Point(
+            mode, b, r["measured_gb"] and r["measured_gb"] * GB, r["tokens_per_s"], r["status"], seconds=r["seconds"]
+        )
 
     s.measure = lambda mode, b: _probe(s, measured, mode, b)
     probe_modes(s, a.probe)  # as explain --memory
@@ -89,13 +98,20 @@ def main() -> None:
     for m, b in dict.fromkeys(wanted):
         if (m, b) not in probes:
             rows.append(_row(measured(m, b), predicted[(m, b)], fits[(m, b)]))
-    report = {"device": _meta_device(s), "git_sha": _meta.git_sha(), "config": a.config, "overrides": a.overrides,
-              "probes": sorted(probes), "capacity_gb": est.capacity and est.capacity / GB,
-              "parts_gb": {k: v[0] / GB for k, v in est.parts.items()},
-              "per_sequence_gb": {m: est.fit(m)[0] / GB for m in MODES if est.fit(m)},
-              "constant_gb": {m: est.fit(m)[1] / GB for m in MODES if est.fit(m)},
-              "largest_predicted": largest, "rows": rows,
-              "seconds": seconds + round(time.monotonic() - started)}  # fmt: skip
+    report = {
+        "device": _meta_device(s),
+        "git_sha": _meta.git_sha(),
+        "config": a.config,
+        "overrides": a.overrides,
+        "probes": sorted(probes),
+        "capacity_gb": est.capacity and est.capacity / GB,
+        "parts_gb": {k: v[0] / GB for k, v in est.parts.items()},
+        "per_sequence_gb": {m: est.fit(m)[0] / GB for m in MODES if est.fit(m)},
+        "constant_gb": {m: est.fit(m)[1] / GB for m in MODES if est.fit(m)},
+        "largest_predicted": largest,
+        "rows": rows,
+        "seconds": seconds + round(time.monotonic() - started),
+    }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
@@ -115,9 +131,17 @@ def _row(pt, predicted, predicted_fits, probe: bool = False) -> dict:
     measured = pt.peak / GB if pt.peak else None
     pred = predicted / GB if predicted else None
     err = (pred - measured) / measured if measured and pred else None
-    return {"mode": pt.mode, "micro_batch": pt.micro_batch, "predicted_gb": pred, "measured_gb": measured,
-            "error": err, "predicted_fits": predicted_fits, "status": "probe" if probe else pt.status,
-            "tokens_per_s": pt.tokens_per_s, "seconds": pt.seconds}  # fmt: skip
+    return {
+        "mode": pt.mode,
+        "micro_batch": pt.micro_batch,
+        "predicted_gb": pred,
+        "measured_gb": measured,
+        "error": err,
+        "predicted_fits": predicted_fits,
+        "status": "probe" if probe else pt.status,
+        "tokens_per_s": pt.tokens_per_s,
+        "seconds": pt.seconds,
+    }
 
 
 def table(rows: list[dict]) -> str:

@@ -98,18 +98,27 @@ class FakeDevice:
         self.calls.append((mode, micro_batch, tuple(o for o in overrides if "precision" in o or "_mb" in o)))
         peak = 16 * GB + micro_batch * self.PER_SEQ[mode]
         if peak > 60 * GB:
-            return Point(mode, micro_batch, None, status="out of memory", overrides=overrides, seconds=1,
-                         predicted=predicted)  # fmt: skip
+            return Point(
+                mode, micro_batch, None, status="out of memory", overrides=overrides, seconds=1, predicted=predicted
+            )
         tps = 60e3 * micro_batch / (micro_batch + 2) / self.COST[mode]
         return Point(mode, micro_batch, peak, tps, overrides=overrides, seconds=1, predicted=predicted)
 
 
 def _session(monkeypatch, tmp_path, overrides, device, capacity=None, capability=None):
     monkeypatch.setattr(tune, "on_cuda", lambda cfg: True)
-    monkeypatch.setattr(tune, "_plan_facts", lambda work: {"device.memory_gb": capacity / GB / memory.USABLE,
-                                                            "device.capability": capability})  # fmt: skip
-    s = tune.Session(str(ROOT / "configs/tiny.yaml"), [f"run.dir={tmp_path / 'run'}", *overrides], 100.0,
-                     reuse=False, say=lambda *_: None)  # fmt: skip
+    monkeypatch.setattr(
+        tune,
+        "_plan_facts",
+        lambda work: {"device.memory_gb": capacity / GB / memory.USABLE, "device.capability": capability},
+    )
+    s = tune.Session(
+        str(ROOT / "configs/tiny.yaml"),
+        [f"run.dir={tmp_path / 'run'}", *overrides],
+        100.0,
+        reuse=False,
+        say=lambda *_: None,
+    )
     s.runner.run = device.run
     return s
 
@@ -160,8 +169,14 @@ def test_search_steps_down_after_an_unpredicted_out_of_memory(monkeypatch, tmp_p
 def test_search_adds_fp8_and_unit_sizes_on_the_fastest(monkeypatch, tmp_path):
     monkeypatch.setattr(tune, "installed", lambda name: name == "torchao")
     device = FakeDevice()
-    s = _session(monkeypatch, tmp_path, ["train.micro_batch_size=2", "train.grad_accum=1", "train.precision=bf16",
-                                         "distributed.strategy=fsdp"], device, 60 * GB, "9.0")  # fmt: skip
+    s = _session(
+        monkeypatch,
+        tmp_path,
+        ["train.micro_batch_size=2", "train.grad_accum=1", "train.precision=bf16", "distributed.strategy=fsdp"],
+        device,
+        60 * GB,
+        "9.0",
+    )
     s.world = tune.World(size=2)
     s.world.broadcast = lambda obj: obj
     s.estimate.parts = {"counted": (16 * GB, "")}
@@ -174,8 +189,9 @@ def test_tune_on_the_cpu_writes_a_config_that_trains(tmp_path):
     """``trainer tune`` on the tiny config ends with its table and CONFIG.tuned.yaml, which ``trainer fit`` runs."""
     config = tmp_path / "tiny.yaml"
     config.write_text((ROOT / "configs/tiny.yaml").read_text())
-    r = run_cli("tune", str(config), f"run.dir={tmp_path / 'run'}", "train.micro_batch_size=4", "--budget-s", "60",
-                cwd=tmp_path)  # fmt: skip
+    r = run_cli(
+        "tune", str(config), f"run.dir={tmp_path / 'run'}", "train.micro_batch_size=4", "--budget-s", "60", cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| # | candidate | tok/s | peak GB | predicted GB | status |" in r.stdout
     assert r.stdout.count("train.micro_batch_size=") >= 3 and "**fastest**" in r.stdout
@@ -185,8 +201,15 @@ def test_tune_on_the_cpu_writes_a_config_that_trains(tmp_path):
     head = tuned.read_text().splitlines()[:3]
     assert head[0].startswith("# trainer tune") and "tok/s" in head[1] and "Overrides over" in head[2]
     assert (tmp_path / "run.tune" / "measured.json").exists()
-    r = run_cli("fit", str(tuned), "train.steps=4", "train.eval_every=0", "checkpoint.enabled=false",
-                f"run.dir={tmp_path / 'fit'}", cwd=tmp_path)  # fmt: skip
+    r = run_cli(
+        "fit",
+        str(tuned),
+        "train.steps=4",
+        "train.eval_every=0",
+        "checkpoint.enabled=false",
+        f"run.dir={tmp_path / 'fit'}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -194,9 +217,24 @@ def test_tune_under_torchrun_runs_each_candidate_on_every_rank(tmp_path):
     """2 gloo ranks: rank 0 chooses, every rank's tune process takes part, each candidate is its own torchrun."""
     config = tmp_path / "tiny.yaml"
     config.write_text((ROOT / "configs/tiny.yaml").read_text())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "trainer", "tune",
-           str(config), f"run.dir={tmp_path / 'run'}", "distributed.strategy=ddp", "train.micro_batch_size=2",
-           "train.grad_accum=1", "model.n_layer=1", "--budget-s", "120"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainer",
+        "tune",
+        str(config),
+        f"run.dir={tmp_path / 'run'}",
+        "distributed.strategy=ddp",
+        "train.micro_batch_size=2",
+        "train.grad_accum=1",
+        "model.n_layer=1",
+        "--budget-s",
+        "120",
+    ]
     r = torchrun(cmd, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("| train.activation_checkpointing=") == 2, r.stdout  # micro-batches 2 and 1
@@ -207,10 +245,12 @@ def test_tune_under_torchrun_runs_each_candidate_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize(
     "args, needle",
-    [(["tune", "tiny", "--budget-s", "0"], "--budget-s: expected a positive"),
-     (["tune", "tiny", "train.micro_batch_sise=4"], "did you mean"),
-     (["tune", "tiny", "resume=last"], "resume: not supported by tune")],
-)  # fmt: skip
+    [
+        (["tune", "tiny", "--budget-s", "0"], "--budget-s: expected a positive"),
+        (["tune", "tiny", "train.micro_batch_sise=4"], "did you mean"),
+        (["tune", "tiny", "resume=last"], "resume: not supported by tune"),
+    ],
+)
 def test_tune_errors_exit_2(capsys, args, needle):
     r = cli(capsys, *args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
@@ -218,8 +258,9 @@ def test_tune_errors_exit_2(capsys, args, needle):
 
 def test_fit_warns_before_step_1_from_measured_points(tmp_path):
     """The startup note: none on the CPU; the predicted peak from measured.json, a warning past the device."""
-    cfg = load_config(ROOT / "configs/tiny.yaml", [f"run.dir={tmp_path / 'run'}", "train.micro_batch_size=8",
-                                                  "train.grad_accum=2"])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs/tiny.yaml", [f"run.dir={tmp_path / 'run'}", "train.micro_batch_size=8", "train.grad_accum=2"]
+    )
     model = memory.model_on_meta(cfg, 256)
     assert memory.startup_note(cfg, model, 1, None) is None
     assert memory.startup_note(cfg, model, 1, 80 * GB) is None  # nothing measured, the counted parts fit

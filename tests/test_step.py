@@ -110,8 +110,9 @@ def test_the_sync_waits_until_the_last_micro_batch_and_its_norm_is_the_one_repor
     inner = Regression()
     wrapped = SyncedModel(inner)
     opt = RecordingSGD(inner.parameters())
-    step = TrainStep(wrapped, inner, opt, grad_accum=3, grad_clip=0.0, amp_dtype=None, env=CPU,
-                     sync=BucketSync(wrapped))  # fmt: skip
+    step = TrainStep(
+        wrapped, inner, opt, grad_accum=3, grad_clip=0.0, amp_dtype=None, env=CPU, sync=BucketSync(wrapped)
+    )
     out = step(_batches(3))
     assert wrapped.calls == ["no_sync", "forward", "no_sync", "forward", "forward", "finish(norm=True)"]
     assert out.grad_norm.item() == 7.0  # ddp's norm, computed as the buckets were reduced: not computed again

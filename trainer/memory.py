@@ -74,7 +74,7 @@ def static_parts(
         "optimizer state": (
             n * 4 * states / state_shard,
             f"{cfg.optim.name}: {states} fp32 per parameter" + (f" / {state_shard} ranks" if state_shard > 1 else ""),
-        ),  # fmt: skip
+        ),
     }
     if strategy.fsdp:
         from trainer.plan import param_dtype, precision
@@ -194,8 +194,10 @@ class Estimate:
             lines.append(f"  {name:<17} {size(b):>9}   {why}")
         lines.append(f"  {'counted':<17} {size(self.static):>9}")
         if self.transient[0]:
-            lines.append(f"  {'optimizer step':<17} {size(self.transient[0]):>9}   {self.transient[1]}; while it runs, "
-                         "in place of the activations")  # fmt: skip
+            lines.append(
+                f"  {'optimizer step':<17} {size(self.transient[0]):>9}   {self.transient[1]}; while it runs, "
+                "in place of the activations"
+            )
         cap = f"; the device allows {size(self.capacity)} ({USABLE:.0%} of its memory)" if self.capacity else ""
         lines.append(f"activations per sequence of {self.seq_len} tokens, measured{cap}:")
         for mode in MODES:
@@ -208,10 +210,14 @@ class Estimate:
             fits = ""
             if self.capacity:
                 best = self.largest(mode, sizes)
-                fits = f"; largest micro-batch that fits: {best} ({size(self.peak(mode, best))})" if best else \
-                    "; no micro-batch fits"  # fmt: skip
-            lines.append(f"  {mode:<10} {size(f[0]):>9}{extra} (measured at micro-batch "
-                         f"{', '.join(map(str, probes))}){fits}")  # fmt: skip
+                fits = (
+                    f"; largest micro-batch that fits: {best} ({size(self.peak(mode, best))})"
+                    if best
+                    else "; no micro-batch fits"
+                )
+            lines.append(
+                f"  {mode:<10} {size(f[0]):>9}{extra} (measured at micro-batch {', '.join(map(str, probes))}){fits}"
+            )
         return "\n".join(lines)
 
 
@@ -227,8 +233,15 @@ def memory_key(cfg: Config, world: int) -> str:
     d = to_dict(cfg)
     for section in ("run", "log", "checkpoint", "schedule"):
         d.pop(section, None)
-    for key in ("micro_batch_size", "grad_accum", "activation_checkpointing", "steps", "stop_at", "eval_every",
-                "eval_batches"):  # fmt: skip
+    for key in (
+        "micro_batch_size",
+        "grad_accum",
+        "activation_checkpointing",
+        "steps",
+        "stop_at",
+        "eval_every",
+        "eval_batches",
+    ):
         d.get("train", {}).pop(key, None)
     d.get("compile", {}).pop("cache_dir", None)
     d["world"] = world
@@ -310,8 +323,12 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
     the counted parts are checked."""
     if device_memory is None:
         return None
-    est = Estimate(static_parts(model, cfg, world, "cuda"), cfg.data.seq_len, USABLE * device_memory,
-                   transient=step_transient(model, cfg, world, "cuda"))  # fmt: skip
+    est = Estimate(
+        static_parts(model, cfg, world, "cuda"),
+        cfg.data.seq_len,
+        USABLE * device_memory,
+        transient=step_transient(model, cfg, world, "cuda"),
+    )
     est.points = load_points(work_dir(cfg) / "measured.json", memory_key(cfg, world))
     t = cfg.train
     mode, b = t.activation_checkpointing, t.micro_batch_size
@@ -319,11 +336,15 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
     if peak is None:
         if est.static <= est.capacity:
             return None
-        return (f"warning: memory: the parameters, gradients and optimizer state alone need {size(est.static)} per "
-                f"rank, more than the {size(est.capacity)} this GPU allows ({USABLE:.0%} of its memory); shard "
-                "them: distributed.strategy=fsdp over more GPUs")  # fmt: skip
-    said = (f"memory: predicted peak {size(peak)} per rank of the {size(est.capacity)} this GPU allows (micro-batch "
-            f"{b}, train.activation_checkpointing={mode}; activations measured in {work_dir(cfg)})")  # fmt: skip
+        return (
+            f"warning: memory: the parameters, gradients and optimizer state alone need {size(est.static)} per "
+            f"rank, more than the {size(est.capacity)} this GPU allows ({USABLE:.0%} of its memory); shard "
+            "them: distributed.strategy=fsdp over more GPUs"
+        )
+    said = (
+        f"memory: predicted peak {size(peak)} per rank of the {size(est.capacity)} this GPU allows (micro-batch "
+        f"{b}, train.activation_checkpointing={mode}; activations measured in {work_dir(cfg)})"
+    )
     if peak <= est.capacity:
         return said
     best = est.largest(mode, [x for x in range(1, b) if (b * t.grad_accum) % x == 0])

@@ -39,8 +39,19 @@ from trainer.memory import (
 
 STEPS, LOG_EVERY = 8, 4  # a candidate's run: rows at 4 (compile; the graph's capture at the 4th step) and 8 (steady)
 GRID = [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]
-CHILD_ENV_DROP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+CHILD_ENV_DROP = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @dataclass
@@ -56,8 +67,13 @@ class World:
     @classmethod
     def from_env(cls) -> World:
         e = os.environ
-        return cls(int(e.get("RANK", 0)), int(e.get("WORLD_SIZE", 1)), int(e.get("LOCAL_RANK", 0)),
-                   int(e.get("LOCAL_WORLD_SIZE", 1)), int(e.get("GROUP_RANK", 0)))  # fmt: skip
+        return cls(
+            int(e.get("RANK", 0)),
+            int(e.get("WORLD_SIZE", 1)),
+            int(e.get("LOCAL_RANK", 0)),
+            int(e.get("LOCAL_WORLD_SIZE", 1)),
+            int(e.get("GROUP_RANK", 0)),
+        )
 
     def broadcast(self, obj):
         """``obj`` of rank 0, on every rank (the tune processes' own gloo group)."""
@@ -87,9 +103,16 @@ class Runner:
         """One candidate's measurement (on rank 0; the other ranks' copies carry no numbers)."""
         slug = "_".join(o.split("=", 1)[1].replace("/", "-") for o in overrides) or "as-given"
         run_dir = self.work / "runs" / slug
-        forced = [f"train.steps={self.steps + 1}", f"train.stop_at={self.steps}", "train.eval_every=0",
-                  "checkpoint.enabled=false", f"log.every={self.log_every}", "log.progress=false", f"run.dir={run_dir}",
-                  f"compile.cache_dir={self.work / 'compile_cache'}"]  # fmt: skip
+        forced = [
+            f"train.steps={self.steps + 1}",
+            f"train.stop_at={self.steps}",
+            "train.eval_every=0",
+            "checkpoint.enabled=false",
+            f"log.every={self.log_every}",
+            "log.progress=false",
+            f"run.dir={run_dir}",
+            f"compile.cache_dir={self.work / 'compile_cache'}",
+        ]
         args = ["fit", self.config, *self.overrides, *overrides, *forced]
         port = self.world.broadcast(_free_port() if self.world.rank == 0 else None)
         started = time.monotonic()
@@ -126,10 +149,19 @@ class Runner:
         env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP and not k.startswith("TORCHELASTIC")}
         if self.world.size > 1:
             nnodes = self.world.size // self.world.local_size
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-                   f"--nproc-per-node={self.world.local_size}", f"--node-rank={self.world.node_rank}",
-                   f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}", f"--master-port={port}",
-                   "-m", "trainer", *args]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nnodes}",
+                f"--nproc-per-node={self.world.local_size}",
+                f"--node-rank={self.world.node_rank}",
+                f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
+                f"--master-port={port}",
+                "-m",
+                "trainer",
+                *args,
+            ]
         else:
             cmd = [sys.executable, "-m", "trainer", *args]
         with open(log, "w") as out:
@@ -208,8 +240,9 @@ class Session:
         self.started, self.budget_s = time.monotonic(), budget_s
         deadline = None if budget_s is None else self.started + budget_s
         self.runner = Runner(config, overrides, self.work, self.world, deadline, say)
-        corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
-                             dtype=cfg.data.dtype)  # fmt: skip
+        corpus = load_corpus(
+            cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len, dtype=cfg.data.dtype
+        )
         model = model_on_meta(cfg, corpus.vocab_size)
         self.key = memory_key(cfg, self.world.size)
         parts = static_parts(model, cfg, self.world.size, "cuda")
@@ -314,8 +347,11 @@ def search(s: Session) -> None:
         s.measure(best.mode, best.micro_batch, ["train.precision=fp8"])
     d = cfg.distributed
     if s.world.size > 1 and d.strategy in ("ddp", "fsdp"):
-        key, value = ("distributed.bucket_mb", d.bucket_mb) if d.strategy == "ddp" else \
-            ("distributed.fsdp_unit_mb", d.fsdp_unit_mb)  # fmt: skip
+        key, value = (
+            ("distributed.bucket_mb", d.bucket_mb)
+            if d.strategy == "ddp"
+            else ("distributed.fsdp_unit_mb", d.fsdp_unit_mb)
+        )
         best = fastest(s.measured)
         extra = [o for o in best.overrides if o.startswith("train.precision=")]
         for v in (value / 2, value * 2):
@@ -369,8 +405,12 @@ def write_tuned(s: Session, best: Point, path: Path, command: str) -> None:
     given = next((p for p in s.measured if p.status == "ok" and _as_given(p, s.cfg)), None)
     vs = f"; the config as given: {_speed(given)}" if given else ""
     cfg = load_config(s.config, [*s.overrides, *best.overrides])
-    head = [f"# {command}", f"# The fastest of {len(s.measured)} settings measured in {s.elapsed:.0f} s: {_speed(best)}"
-            f"{vs}.", f"# Overrides over {s.config}: {' '.join(best.overrides)}", ""]  # fmt: skip
+    head = [
+        f"# {command}",
+        f"# The fastest of {len(s.measured)} settings measured in {s.elapsed:.0f} s: {_speed(best)}{vs}.",
+        f"# Overrides over {s.config}: {' '.join(best.overrides)}",
+        "",
+    ]
     atomic_write_text(path, "\n".join(head) + to_yaml(cfg))
 
 
@@ -379,8 +419,11 @@ def _speed(p: Point) -> str:
 
 
 def _as_given(p: Point, cfg: Config) -> bool:
-    return (p.mode == cfg.train.activation_checkpointing and p.micro_batch == cfg.train.micro_batch_size
-            and len(p.overrides) == 3)  # fmt: skip
+    return (
+        p.mode == cfg.train.activation_checkpointing
+        and p.micro_batch == cfg.train.micro_batch_size
+        and len(p.overrides) == 3
+    )
 
 
 def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = False, say=print) -> int:
@@ -392,12 +435,16 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
         coordination_group()
     quiet = (lambda *_: None) if world.rank else say
     s = Session(config, overrides, budget_s, reuse=True, say=quiet)
-    quiet(f"tune: {config} on {world.size} rank{'s' if world.size > 1 else ''}, budget {budget_s:.0f} s; "
-          f"{s.per_rank} sequences per rank and step, kept through train.grad_accum (micro-batches: "
-          f"{', '.join(map(str, divisors(s.per_rank)))}); runs and measurements in {s.work}")  # fmt: skip
+    quiet(
+        f"tune: {config} on {world.size} rank{'s' if world.size > 1 else ''}, budget {budget_s:.0f} s; "
+        f"{s.per_rank} sequences per rank and step, kept through train.grad_accum (micro-batches: "
+        f"{', '.join(map(str, divisors(s.per_rank)))}); runs and measurements in {s.work}"
+    )
     if s.per_rank == 1:
-        quiet("tune: the global batch is one sequence per rank: only the checkpointing mode is searched "
-              "(raise train.grad_accum to search larger micro-batches)")  # fmt: skip
+        quiet(
+            "tune: the global batch is one sequence per rank: only the checkpointing mode is searched "
+            "(raise train.grad_accum to search larger micro-batches)"
+        )
     search(s)
     if world.size > 1:
         import torch.distributed as dist
@@ -427,8 +474,13 @@ def explain_memory(config: str, overrides: list[str], say=print) -> int:
         if World.from_env().rank:  # each rank's model is the same; rank 0 speaks
             return 0
         est = cpu_estimate(cfg, b0)
-        say(est.describe(GRID, f"memory on the CPU, counted, and probed at micro-batch {b0} (host memory is not "
-                              "checked against a limit):"))  # fmt: skip
+        say(
+            est.describe(
+                GRID,
+                f"memory on the CPU, counted, and probed at micro-batch {b0} (host memory is not "
+                "checked against a limit):",
+            )
+        )
         return 0
     world = World.from_env()
     if world.size > 1:
@@ -476,8 +528,9 @@ def cpu_estimate(cfg: Config, micro_batch: int) -> Estimate:
     from trainer.data import load_corpus
     from trainer.memory import model_on_meta
 
-    corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
-                         dtype=cfg.data.dtype)  # fmt: skip
+    corpus = load_corpus(
+        cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len, dtype=cfg.data.dtype
+    )
     model = model_on_meta(cfg, corpus.vocab_size)
     est = Estimate(static_parts(model, cfg, 1, "cpu"), cfg.data.seq_len, transient=step_transient(model, cfg, 1, "cpu"))
     for mode in MODES:
@@ -530,8 +583,9 @@ def cpu_peak(cfg: Config, mode: str, micro_batch: int, vocab_size: int, parts: d
         parts["step"] = before + live.peak
         parts["parameters"] = _storage_bytes(list(model.parameters()))
         parts["gradients"] = _storage_bytes(list(grads.values()))
-        parts["optimizer state"] = _storage_bytes([t for st in opt.state.values() for t in st.values()
-                                                   if isinstance(t, torch.Tensor) and t.dim() > 0])  # fmt: skip
+        parts["optimizer state"] = _storage_bytes(
+            [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        )
     return before + backward_peak[0]
 
 
