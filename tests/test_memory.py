@@ -144,6 +144,18 @@ def test_search_probes_each_mode_then_its_largest_fitting_micro_batch(monkeypatc
     assert text.count("\n") == len(device.calls) + 1 and "**fastest**" in text
 
 
+def test_a_global_batch_smaller_than_what_fits_is_named(monkeypatch, tmp_path):
+    """4 sequences per step, and 12 (52 GB) would fit the synthetic device: tune says how to let it try them."""
+    device = FakeDevice()
+    s = _session(monkeypatch, tmp_path, ["train.micro_batch_size=4", "train.grad_accum=1"], device, 60 * GB)
+    s.estimate.parts = {"counted": (16 * GB, "")}
+    tune.search(s)
+    hint = tune.larger_batch_hint(s, tune.fastest(s.measured))
+    assert "micro-batches up to 12 are predicted to fit" in hint and "raise train.grad_accum" in hint
+    s.per_rank = 64
+    assert tune.larger_batch_hint(s, tune.fastest(s.measured)) is None
+
+
 def test_search_steps_down_after_an_unpredicted_out_of_memory(monkeypatch, tmp_path):
     """The estimate is optimistic (the probe's memory says 1 GB per sequence; the device needs 3 past B=8):
     the run out of memory is recorded and the next smaller micro-batch tried."""

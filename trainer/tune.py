@@ -462,7 +462,21 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
     write_tuned(s, best, path, argv)
     say(f"tune: fastest {' '.join(best.overrides)}: {_speed(best)}; wrote {path} ({s.elapsed:.0f} s)")
     say(f"  trainer fit {path}")
+    if hint := larger_batch_hint(s, best):
+        say(hint)
     return 0
+
+
+def larger_batch_hint(s: Session, best: Point) -> str | None:
+    """A line when the fastest mode is predicted to fit a micro-batch larger than the global batch allows."""
+    fits = s.estimate.largest(best.mode, [b for b in GRID if b > s.per_rank])
+    if fits is None:
+        return None
+    return (
+        f"tune: micro-batches up to {fits} are predicted to fit with train.activation_checkpointing={best.mode}, "
+        f"but the global batch holds {s.per_rank} sequences per rank and step; raise train.grad_accum to let tune "
+        "try them (a larger global batch changes the training, not only its speed)"
+    )
 
 
 def explain_memory(config: str, overrides: list[str], say=print) -> int:
