@@ -43,9 +43,9 @@ def test_parts_and_prediction_match_the_tensors_of_a_step(name, tmp_path):
     assert transient[0] == counted["parameters"][0]  # foreach on the CPU
     for mode in ["none"] if name == "gpt2-124m" else list(memory.MODES):
         est = Estimate(counted, cfg.data.seq_len, transient=transient)
-        est.points = [Point(mode, b, tune.cpu_peak(cfg, mode, b, vocab)) for b in (1, 2)]
+        est.points = [Point(mode, b, memory.cpu_peak(cfg, mode, b, vocab)) for b in (1, 2)]
         actual = {}
-        backward = tune.cpu_peak(cfg, mode, 4, vocab, parts=actual)
+        backward = memory.cpu_peak(cfg, mode, 4, vocab, parts=actual)
         for part in ("parameters", "gradients", "optimizer state"):
             assert counted[part][0] == pytest.approx(actual[part], rel=0.10), (part, counted[part], actual[part])
         assert est.peak(mode, 4) == pytest.approx(actual["step"], rel=0.10), (mode, est.peak(mode, 4), actual)
