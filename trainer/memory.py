@@ -99,11 +99,11 @@ def step_transient(model: nn.Module, cfg: Config, world: int = 1, device_type: s
     """The optimizer step's own temporaries: torch's ``foreach`` AdamW/Adam keeps one fp32 tensor per parameter
     (its denominators) while it runs; ``fused`` and the Triton optimizer none to count. The step runs after the
     backward has freed the activations: the peak is the larger of the two."""
-    from trainer.compile.optimizer import resolve_impl
-    from trainer.plan import Strategy
+    from trainer import plan
 
-    strategy = Strategy(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
-    impl = resolve_impl(cfg.optim.impl, device_type, name=cfg.optim.name, sharded=strategy.fsdp)
+    strategy = plan.Strategy(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
+    device = torch.device(device_type)
+    impl, _ = plan.optim_impl(cfg, device, strategy, plan.precision(cfg.train.precision, device))
     if impl != "foreach" or cfg.optim.name not in OPTIMIZER_STATES:
         return 0.0, f"{impl}: none counted"
     shard = world if strategy.fsdp or strategy.zero else 1
