@@ -285,3 +285,12 @@ def test_fit_warns_before_step_1_from_measured_points(tmp_path):
     assert note.startswith("warning: memory:") and "micro-batch 4 is predicted to fit" in note
     other = load_config(ROOT / "configs/tiny.yaml", [f"run.dir={tmp_path / 'run'}", "model.n_layer=2"])
     assert memory.startup_note(other, model, 1, 6 * GB) is None  # another model: the points are not its own
+
+
+def test_explain_memory_on_the_cpu_prints_the_parts_and_each_mode(capsys, tmp_path):
+    r = cli(capsys, "explain", "--memory", "tiny", f"run.dir={tmp_path / 'run'}", "train.micro_batch_size=4")
+    assert r.returncode == 0, r.stderr
+    for line in ("parameters", "gradients", "optimizer state", "optimizer step", "counted"):
+        assert line in r.stdout, r.stdout
+    for mode in memory.MODES:
+        assert f"  {mode} " in r.stdout and "(measured at micro-batch 4, 8)" in r.stdout, r.stdout
