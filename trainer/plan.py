@@ -197,8 +197,9 @@ def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_
     elif impl == "triton":
         why = f"trainer's Triton {o.name} on CUDA"
     else:
-        why = "torch's fused " + ("under fsdp" if strategy.fsdp else "with fp16's scaler" if precision_ == "fp16"
-                                  else f"for {o.name}")  # fmt: skip
+        why = "torch's fused " + (
+            "under fsdp" if strategy.fsdp else "with fp16's scaler" if precision_ == "fp16" else f"for {o.name}"
+        )
     return impl, why
 
 
@@ -234,8 +235,9 @@ def kernels(cfg: Config, device: torch.device) -> tuple[list[str], str | None]:
     c = cfg.compile
     kernels = resolve_kernels(c.kernels, device.type)
     if not (c.enabled or c.autograd):
-        return [], (f"compile.kernels={c.kernels} has no effect without compile" if kernels and c.kernels != "auto"
-                    else None)  # fmt: skip
+        return [], (
+            f"compile.kernels={c.kernels} has no effect without compile" if kernels and c.kernels != "auto" else None
+        )
     if c.kernels == "auto" and (cfg.train.precision == "fp16" or c.autograd):
         kernels = [k for k in kernels if k != "cross_entropy"]
     return kernels, None
@@ -276,10 +278,20 @@ def resolve(cfg: Config, env) -> Plan:
         attention = "sdpa (torch's kernel choice per call)"
         choices.append("model.attention=auto: scaled_dot_product_attention picks its kernel per call")
     return Plan(
-        cfg=resolved, device=device, strategy=strategy, backend=env.backend, precision=prec, param_dtype=pdt,
-        reduce_dtype=d.reduce_dtype, optim_impl=impl, data_dtype=ddtype, attention=attention,
-        checkpointing=t.activation_checkpointing, choices=tuple(choices), **_device_facts(device),
-    )  # fmt: skip
+        cfg=resolved,
+        device=device,
+        strategy=strategy,
+        backend=env.backend,
+        precision=prec,
+        param_dtype=pdt,
+        reduce_dtype=d.reduce_dtype,
+        optim_impl=impl,
+        data_dtype=ddtype,
+        attention=attention,
+        checkpointing=t.activation_checkpointing,
+        choices=tuple(choices),
+        **_device_facts(device),
+    )
 
 
 def one_process(cfg: Config, device: str | torch.device = "cpu") -> Plan:

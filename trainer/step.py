@@ -114,11 +114,24 @@ class TrainStep:
         sync: how the gradients reach the other ranks (:mod:`trainer.distributed.sync`); None: one process.
     """
 
-    def __init__(self, model: nn.Module, raw_model: nn.Module, opt: StepOptimizer, *, grad_accum: int, grad_clip: float,
-                 amp_dtype: torch.dtype | None, env: dist_env.DistEnv, scaler=None, graphed: bool = False,
-                 skip_non_finite: bool = False, backward_ctx: Callable | None = None,
-                 fallback: Callable | None = None, say: Callable = print,
-                 sync: GradSync | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        raw_model: nn.Module,
+        opt: StepOptimizer,
+        *,
+        grad_accum: int,
+        grad_clip: float,
+        amp_dtype: torch.dtype | None,
+        env: dist_env.DistEnv,
+        scaler=None,
+        graphed: bool = False,
+        skip_non_finite: bool = False,
+        backward_ctx: Callable | None = None,
+        fallback: Callable | None = None,
+        say: Callable = print,
+        sync: GradSync | None = None,
+    ):
         self.model, self.raw_model, self.opt, self.env = model, raw_model, opt, env
         self.sync = sync or NoSync()
         self.accum, self.grad_clip = grad_accum, grad_clip
@@ -190,8 +203,10 @@ class TrainStep:
 
             if self.fallback is None:
                 raise TrainingError(f"{compile_error_hint(e)}\nSet compile.fallback=eager to run eagerly.") from e
-            self.say("[bold red]compile failed; compile.fallback=eager: running this run eagerly (forward, backward "
-                     f"and compiled autograd).[/bold red]\n{compile_error_hint(e)}")  # fmt: skip
+            self.say(
+                "[bold red]compile failed; compile.fallback=eager: running this run eagerly (forward, backward "
+                f"and compiled autograd).[/bold red]\n{compile_error_hint(e)}"
+            )
             (self.model, self.sync), self.backward_ctx = self.fallback(self.model, self.sync), contextlib.nullcontext
             self.opt.zero_grad(set_to_none=True)
             return self.forward_backward(batch_of)
