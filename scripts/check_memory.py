@@ -156,9 +156,9 @@ def table(rows: list[dict]) -> str:
 
 
 def _meta_device(s) -> str:
-    from trainer.tune import _plan_facts
+    from trainer.tune import plan_facts
 
-    facts = _plan_facts(s.work)
+    facts = plan_facts(s.work)
     return f"{facts.get('train.device')}, {facts.get('device.memory_gb')} GB"
 
 

@@ -109,7 +109,7 @@ def _session(monkeypatch, tmp_path, overrides, device, capacity=None, capability
     monkeypatch.setattr(tune, "on_cuda", lambda cfg: True)
     monkeypatch.setattr(
         tune,
-        "_plan_facts",
+        "plan_facts",
         lambda work: {"device.memory_gb": capacity / GB / memory.USABLE, "device.capability": capability},
     )
     s = tune.Session(

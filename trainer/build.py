@@ -347,7 +347,7 @@ def build_optimizer(model: nn.Module, plan: plan_rules.Plan) -> torch.optim.Opti
     if plan.strategy.zero:
         from trainer.distributed import zero
 
-        buckets = (plan if plan.layout is not None else plan.placed(model)).layout
+        buckets = plan.layout_of(model)
         inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=plan.optim_impl,
                                                                  max_grad_norm=0.0, **kwargs)  # fmt: skip
         return zero.ShardedOptimizer(groups, buckets, inner, max_grad_norm=o.grad_clip)
@@ -475,8 +475,7 @@ def wrap(model: nn.Module, plan: plan_rules.Plan, env, say, compile: bool = True
     if plan.strategy.ddp:
         from trainer.distributed import ddp
 
-        placed = plan if plan.layout is not None else plan.placed(model)
-        buckets = shards.plan if shards is not None else placed.layout
+        buckets = shards.plan if shards is not None else plan.layout_of(model)
         if compile and splits_at_buckets(cfg.compile):
             c = cfg.compile
             from trainer.compile.capture import enabled_kernels, inner_backend
@@ -514,7 +513,7 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env, say) -> None:
         blocks = dataclasses.replace(c, scope="blocks")
         apply_compile(model, blocks, say=say or (lambda m: None), hooks_outside=True)
     param_dtype = DTYPES[plan.param_dtype]
-    units = (plan if plan.layout is not None else plan.placed(model)).layout
+    units = plan.layout_of(model)
     if say:  # the report's first line; `trainer explain` prints all of it
         say(describe_units(model, units, d.fsdp_unit_mb).split("\n", 1)[0])
     apply_fsdp(

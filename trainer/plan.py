@@ -127,6 +127,10 @@ class Plan:
             return self
         return dataclasses.replace(self, layout=layout, units=units)
 
+    def layout_of(self, model):
+        """The bucket plan or FSDP units: this plan's, or ``model``'s when the plan was not :meth:`placed`."""
+        return self.layout if self.layout is not None else self.placed(model).layout
+
     @property
     def compile_reasons(self) -> list[str]:
         """The choices of the compile switches: the startup line's reasons for its path."""

@@ -37,6 +37,7 @@ from trainer.memory import (
     step_transient,
     work_dir,
 )
+from trainer.plot import read_metrics
 
 STEPS, LOG_EVERY = 8, 4  # a candidate's run: rows at 4 (compile; the graph's capture at the 4th step) and 8 (steady)
 GRID = [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]
@@ -75,6 +76,13 @@ class World:
             int(e.get("LOCAL_WORLD_SIZE", 1)),
             int(e.get("GROUP_RANK", 0)),
         )
+
+    def join(self) -> None:
+        """The tune processes' own gloo group, under torchrun (nothing for one process)."""
+        if self.size > 1:
+            from trainer.distributed.env import coordination_group
+
+            coordination_group()
 
     def broadcast(self, obj):
         """``obj`` of rank 0, on every rank (the tune processes' own gloo group)."""
@@ -130,12 +138,12 @@ class Runner:
             return point
         log_file = run_dir.with_suffix(".0.log")
         log = log_file.read_text(errors="replace") if log_file.exists() else ""
-        rows = _rows(run_dir / "metrics.jsonl")
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         tps = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
         peaks = [r["peak_mem_gb"] for r in rows if r.get("peak_mem_gb") is not None]
         if any(c == "budget" for c in codes):
             point.status = "stopped: budget"
-        elif "OutOfMemoryError" in log or "out of memory" in log.lower() and any(codes):
+        elif any(codes) and ("OutOfMemoryError" in log or "out of memory" in log.lower()):
             point.status = "out of memory"
         elif any(codes) or not tps:
             last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
@@ -195,16 +203,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rows(path: Path) -> list[dict]:
-    import json
-
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (FileNotFoundError, ValueError):
-        return []
-
-
-def _plan_facts(work: Path) -> dict:
+def plan_facts(work: Path) -> dict:
     """plan.json of the latest candidate run that wrote one: the device's memory and capability."""
     import json
 
@@ -232,7 +231,6 @@ class Session:
 
     def __init__(self, config: str, overrides: list[str], budget_s: float | None, reuse: bool, say=print):
         from trainer.data import load_corpus
-        from trainer.memory import model_on_meta
 
         self.config, self.overrides, self.say = config, overrides, say
         self.cfg = cfg = load_config(config, overrides)
@@ -244,7 +242,7 @@ class Session:
         corpus = load_corpus(
             cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len, dtype=cfg.data.dtype
         )
-        model = model_on_meta(cfg, corpus.vocab_size)
+        model = memory.model_on_meta(cfg, corpus.vocab_size)
         self.key = memory_key(cfg, self.world.size)
         parts = static_parts(model, cfg, self.world.size, "cuda")
         self.estimate = Estimate(parts, cfg.data.seq_len, transient=step_transient(model, cfg, self.world.size))
@@ -252,6 +250,7 @@ class Session:
             self.estimate.points = load_points(self.work / "measured.json", self.key)
         self.per_rank = cfg.train.micro_batch_size * cfg.train.grad_accum
         self.measured: list[Point] = []
+        self.capability: str | None = None  # the GPU's, e.g. "9.0", from the first candidate's plan.json
 
     def measure(self, mode: str, micro_batch: int, extra: list[str] = ()) -> Point:
         """Run one candidate, record it (the estimate, ``measured.json``) and say how it went."""
@@ -262,15 +261,11 @@ class Session:
             self.say(f"[{n}] {' '.join(overrides)}: running ({self.elapsed:.0f} s elapsed)")
         point = self.runner.run(mode, micro_batch, overrides, predicted)
         point = self.world.broadcast(point)
-        if self.estimate.capacity is None and self.world.rank == 0:
-            facts = _plan_facts(self.work)
-            if facts.get("device.memory_gb"):
-                from trainer.memory import USABLE
-
-                self.estimate.capacity = USABLE * facts["device.memory_gb"] * GB
-                self.capability = facts.get("device.capability")
-        self.estimate.capacity = self.world.broadcast(self.estimate.capacity)
-        self.capability = self.world.broadcast(getattr(self, "capability", None))
+        if self.estimate.capacity is None:  # the device's, from the first candidate that ran on it (rank 0's)
+            facts = plan_facts(self.work) if self.world.rank == 0 else {}
+            memory_gb = facts.get("device.memory_gb")
+            device = (memory.USABLE * memory_gb * GB if memory_gb else None, facts.get("device.capability"))
+            self.estimate.capacity, self.capability = self.world.broadcast(device)
         if point.status in ("ok", "out of memory") and not extra:
             self.estimate.points.append(point)
             if self.world.rank == 0:
@@ -362,7 +357,7 @@ def search(s: Session) -> None:
 
 def fp8_possible(s: Session) -> bool:
     """Float8 tensor cores (compute capability 8.9 or later) and torchao."""
-    cap = getattr(s, "capability", None)
+    cap = s.capability
     return bool(cap) and tuple(map(int, cap.split("."))) >= (8, 9) and installed("torchao")
 
 
@@ -430,10 +425,7 @@ def _as_given(p: Point, cfg: Config) -> bool:
 def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = False, say=print) -> int:
     """``trainer tune``: measure, print the table, write ``CONFIG.tuned.yaml``. Returns the exit code."""
     world = World.from_env()
-    if world.size > 1:
-        from trainer.distributed.env import coordination_group
-
-        coordination_group()
+    world.join()
     quiet = (lambda *_: None) if world.rank else say
     s = Session(config, overrides, budget_s, reuse=True, say=quiet)
     quiet(
@@ -498,10 +490,7 @@ def explain_memory(config: str, overrides: list[str], say=print) -> int:
         )
         return 0
     world = World.from_env()
-    if world.size > 1:
-        from trainer.distributed.env import coordination_group
-
-        coordination_group()
+    world.join()
     s = Session(config, overrides, None, reuse=False, say=(lambda *_: None) if world.rank else say)
     s.per_rank = None  # one micro-batch a step: the probes' sizes need not divide the global batch
     probe_modes(s, b0)
