@@ -5,6 +5,10 @@ Usage (one GPU):
         --points none:16,none:20,selective:24,selective:28,full:32,full:64 --boundary
     python scripts/check_memory.py configs/tiny.yaml --probe 8 --points none:16 --device cpu   # smoke, seconds
     python scripts/check_memory.py configs/llama-1b.yaml --boundary --reuse result.json   # its runs reused
+    python scripts/check_memory.py configs/llama-1b.yaml --measure full:96,full:112 --out b.json   # runs alone
+
+``--measure`` runs the points and writes each as it ends, without probes or predictions: runs split across
+GPUs this way are joined by ``--reuse a.json b.json`` (then only what no file holds runs).
 
 Each mode is probed as ``trainer explain --memory`` probes it (``trainer.tune.probe_modes``: at ``--probe``, then
 near the limit the first predicts); every prediction is made from these probes alone, before the other runs. Then
@@ -53,10 +57,12 @@ def main() -> None:
     p.add_argument("--device", default="auto", help="train.device (cpu: a smoke run)")
     p.add_argument(
         "--reuse",
+        nargs="*",
+        default=[],
         metavar="JSON",
-        help="an earlier result file of this script, for the same config on "
-        "the same device: its runs are not run again",
+        help="earlier result files of this script, for the same config on the same device: their runs are not run again",
     )
+    p.add_argument("--measure", default="", help="mode:micro-batch,... to run alone (no probes), each written as it ends")
     p.add_argument("--out", default=str(ROOT / "scripts/results/check_memory/result.json"))
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="check_memory_")
@@ -65,21 +71,25 @@ def main() -> None:
     s.runner.steps, s.runner.log_every = 6, 3
     started = time.monotonic()
     earlier, seconds = {}, 0
-    if a.reuse:
-        doc = json.loads(Path(a.reuse).read_text())
-        assert doc["config"] == a.config and doc["overrides"] == a.overrides, "another config's runs"
-        earlier = {(r["mode"], r["micro_batch"]): r for r in doc["rows"]}
-        s.estimate.capacity, seconds = doc["capacity_gb"] and doc["capacity_gb"] * GB, doc["seconds"]
+    for f in a.reuse:
+        doc = json.loads(Path(f).read_text())
+        assert doc["config"] == a.config and doc["overrides"] == a.overrides, f"{f}: another config's runs"
+        earlier.update({(r["mode"], r["micro_batch"]): r for r in doc["rows"]})
+        s.estimate.capacity = s.estimate.capacity or (doc["capacity_gb"] and doc["capacity_gb"] * GB)
+        seconds += doc["seconds"]
 
     run = s.measure
+    if a.measure:
+        _measure_alone(a, s, [(m, int(b)) for m, b in (x.split(":") for x in a.measure.split(","))], started)
+        return
 
     def measured(mode: str, b: int) -> Point:
         if (mode, b) not in earlier:
             return run(mode, b)
         r = earlier[(mode, b)]
-        return Point(
-            mode, b, r["measured_gb"] and r["measured_gb"] * GB, r["tokens_per_s"], r["status"], seconds=r["seconds"]
-        )
+        status = r["status"] if r["status"] != "probe" else ("ok" if r["measured_gb"] else "out of memory")
+        peak = r["measured_gb"] and r["measured_gb"] * GB
+        return Point(mode, b, peak, r["tokens_per_s"], status, seconds=r["seconds"])
 
     s.measure = lambda mode, b: _probe(s, measured, mode, b)
     probe_modes(s, a.probe)  # as explain --memory
@@ -118,6 +128,24 @@ def main() -> None:
     print(described)
     print(table(rows))
     print(f"wrote {out}")
+
+
+def _measure_alone(a, s, points: list[tuple[str, int]], started: float) -> None:
+    rows = []
+    for mode, b in points:
+        rows.append(_row(s.measure(mode, b), None, None))
+        report = {
+            "device": _meta_device(s),
+            "git_sha": _meta.git_sha(),
+            "config": a.config,
+            "overrides": a.overrides,
+            "capacity_gb": s.estimate.capacity and s.estimate.capacity / GB,
+            "rows": rows,
+            "seconds": round(time.monotonic() - started),
+        }
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(table(rows))
 
 
 def _probe(s, measured, mode: str, b: int) -> Point:
