@@ -62,13 +62,20 @@ def main() -> None:
         metavar="JSON",
         help="earlier result files of this script, for the same config on the same device: their runs are not run again",
     )
+    p.add_argument(
+        "--per-rank",
+        type=int,
+        help="sequences per rank and step, kept through train.grad_accum, in 8-step runs as tune makes "
+        "(default: one micro-batch a step, 6 steps)",
+    )
     p.add_argument("--measure", default="", help="mode:micro-batch,... to run alone (no probes), each written as it ends")
     p.add_argument("--out", default=str(ROOT / "scripts/results/check_memory/result.json"))
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="check_memory_")
     s = Session(a.config, [*a.overrides, f"run.dir={work}/run", f"train.device={a.device}"], None, reuse=False)
-    s.per_rank = None  # one micro-batch a step
-    s.runner.steps, s.runner.log_every = 6, 3
+    s.per_rank = a.per_rank
+    if a.per_rank is None:  # one micro-batch a step
+        s.runner.steps, s.runner.log_every = 6, 3
     started = time.monotonic()
     earlier, seconds = {}, 0
     for f in a.reuse:
