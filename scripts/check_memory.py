@@ -60,7 +60,8 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="JSON",
-        help="earlier result files of this script, for the same config on the same device: their runs are not run again",
+        help="earlier result files of this script, for the same config on the same device: their runs are not "
+        "run again (a later file's run of the same point, and its device capacity, win)",
     )
     p.add_argument(
         "--per-rank",
@@ -68,7 +69,9 @@ def main() -> None:
         help="sequences per rank and step, kept through train.grad_accum, in 8-step runs as tune makes "
         "(default: one micro-batch a step, 6 steps)",
     )
-    p.add_argument("--measure", default="", help="mode:micro-batch,... to run alone (no probes), each written as it ends")
+    p.add_argument(
+        "--measure", default="", help="mode:micro-batch,... to run alone (no probes), each written as it ends"
+    )
     p.add_argument("--out", default=str(ROOT / "scripts/results/check_memory/result.json"))
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="check_memory_")
@@ -77,13 +80,16 @@ def main() -> None:
     if a.per_rank is None:  # one micro-batch a step
         s.runner.steps, s.runner.log_every = 6, 3
     started = time.monotonic()
-    earlier, seconds = {}, 0
+    earlier, seconds, device = {}, 0, None
     for f in a.reuse:
         doc = json.loads(Path(f).read_text())
         assert doc["config"] == a.config and doc["overrides"] == a.overrides, f"{f}: another config's runs"
-        earlier.update({(r["mode"], r["micro_batch"]): r for r in doc["rows"]})
-        s.estimate.capacity = s.estimate.capacity or (doc["capacity_gb"] and doc["capacity_gb"] * GB)
+        earlier.update(
+            {(r["mode"], r["micro_batch"]): {**r, "git_sha": r.get("git_sha", doc["git_sha"])} for r in doc["rows"]}
+        )
+        s.estimate.capacity = (doc["capacity_gb"] and doc["capacity_gb"] * GB) or s.estimate.capacity  # the last file's
         seconds += doc["seconds"]
+        device = doc.get("device") or device
 
     run = s.measure
     if a.measure:
@@ -115,9 +121,12 @@ def main() -> None:
     for m, b in dict.fromkeys(wanted):
         if (m, b) not in probes:
             rows.append(_row(measured(m, b), predicted[(m, b)], fits[(m, b)]))
+    sha = _meta.git_sha()
+    for r in rows:  # the commit each row was measured at
+        r["git_sha"] = earlier.get((r["mode"], r["micro_batch"]), {}).get("git_sha", sha)
     report = {
-        "device": _meta_device(s),
-        "git_sha": _meta.git_sha(),
+        "device": _meta_device(s) if len(s.measured) or device is None else device,
+        "git_sha": sha,
         "config": a.config,
         "overrides": a.overrides,
         "probes": sorted(probes),
