@@ -30,7 +30,7 @@ from trainer.compile.kernels.adamw import adamw_step  # noqa: E402
 from trainer.compile.kernels.flat_group import FlatGroup  # noqa: E402
 from trainer.compile.kernels.grad_norm import grad_norm  # noqa: E402
 from trainer.compile.kernels.optimizers import TritonAdam, TritonAdamW, TritonSGD  # noqa: E402
-from trainer.compile.kernels.runtime import triton_can_run  # noqa: E402
+from trainer.ops.utils import triton_can_run  # noqa: E402
 from trainer.compile.kernels.sgd import sgd_step  # noqa: E402
 from trainer.compile.optimizer import build_optimizer  # noqa: E402
 

@@ -109,9 +109,9 @@ def register_kernel_fallbacks() -> list[str]:
     the forward's compile busy for minutes on an H100 (a 2-layer model compiled in 17 s). torch 2.13 formats
     the message lazily. Where Inductor's internals moved, nothing is registered and Inductor does it itself.
     """
-    import trainer.compile.kernels.add_layer_norm  # noqa: F401 - defines the ops
-    import trainer.compile.kernels.add_rms_norm  # noqa: F401
-    import trainer.compile.kernels.linear_cross_entropy  # noqa: F401
+    import trainer.ops.add_layer_norm  # noqa: F401 - defines the ops
+    import trainer.ops.add_rms_norm  # noqa: F401
+    import trainer.ops.linear_cross_entropy  # noqa: F401
 
     try:
         from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint

@@ -132,13 +132,13 @@ def _source(node: fx.Node) -> str | None:
 
 
 def _add_layer_norm(x, inc, inc_bias, weight, bias, eps, out_dtype):
-    from trainer.compile.kernels.add_layer_norm import add_layer_norm_op
+    from trainer.ops.add_layer_norm import add_layer_norm_op
 
     return add_layer_norm_op(x, inc, weight, bias, eps, out_dtype, inc_bias=inc_bias)
 
 
 def _add_rms_norm(x, inc, weight, eps, out_dtype):
-    from trainer.compile.kernels.add_rms_norm import add_rms_norm, rms_norm
+    from trainer.ops.add_rms_norm import add_rms_norm, rms_norm
 
     if inc is None:
         return x, rms_norm(x, weight, eps, out_dtype)
@@ -146,7 +146,7 @@ def _add_rms_norm(x, inc, weight, eps, out_dtype):
 
 
 def _loss(h, weight, targets, ignore_index, reduction, save_logit_grads):
-    from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy
+    from trainer.ops.linear_cross_entropy import linear_cross_entropy
 
     h2 = h.reshape(-1, h.shape[-1])  # (N, C)
     return linear_cross_entropy(h2, weight, targets.reshape(-1), ignore_index, reduction,

@@ -51,7 +51,7 @@ from trainer.compile.kernels import grad_table
 from trainer.compile.kernels.flat_group import FlatGroup, group_by_dtype_and_device
 from trainer.compile.kernels.grad_norm import grad_norm
 from trainer.compile.kernels.grad_table import is_dtensor, local_tensor
-from trainer.compile.kernels.runtime import capturing, triton_can_run
+from trainer.ops.utils import capturing, triton_can_run
 
 
 class FlatOptimizer(torch.optim.Optimizer):

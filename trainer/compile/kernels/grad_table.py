@@ -40,7 +40,7 @@ import triton.language as tl
 
 from trainer.compile.kernels.adamw import NUM_WARPS, adamw_coefs, adamw_update_block
 from trainer.compile.kernels.grad_norm import FINISH_BLOCK_SIZE, _sumsq_finish_kernel
-from trainer.compile.kernels.runtime import capturing
+from trainer.ops.utils import capturing
 from trainer.compile.kernels.sgd import N_COEFS as SGD_N_COEFS
 from trainer.compile.kernels.sgd import _sgd_coefs_kernel, sgd_update_block
 
