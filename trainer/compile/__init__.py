@@ -10,7 +10,7 @@
 def __getattr__(name):
     # Lazy, so `import trainer.compile` does not import Triton or Inductor until needed.
     if name == "compile_optimizer":
-        from trainer.compile.optimizer import compile_optimizer
+        from trainer.optim.compiled import compile_optimizer
 
         return compile_optimizer
     raise AttributeError(name)
