@@ -176,7 +176,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         return (
             f"{type(self).__name__} runs Triton kernels, which need a CUDA device; its parameters are on "
             f"{device}. Use the torch optimizer there (build_optimizer(impl='foreach')), or for tests set "
-            "TRITON_INTERPRET=1 before trainer.compile.kernels is imported."
+            "TRITON_INTERPRET=1 before trainer.optim.optimizers is imported."
         )
 
     def _build(self) -> None:
