@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from trainer.optim.compiled import compile_optimizer
+
+if TYPE_CHECKING:
+    from trainer.distributed.buckets import BucketPlan
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ def build_optimizer(
     device: torch.device | str | None = None,
     sharded: bool = False,
     scaled: bool = False,
-    buckets: Any = None,
+    buckets: BucketPlan | None = None,
 ) -> torch.optim.Optimizer:
     """Build the optimizer for a training run.
 
@@ -111,10 +114,10 @@ def build_optimizer(
             each rank's shards where FSDP keeps them and all-reduces the clipping norm; ``compiled`` steps the
             DTensors as they are).
         scaled: An fp16 grad scaler unscales the gradients (``auto`` then picks torch's optimizer).
-        buckets: A bucket plan (:class:`~trainer.distributed.buckets.BucketPlan`) to shard the optimizer state over
+        buckets: A bucket plan to shard the optimizer state over
             (ddp's ``distributed.shard_optimizer``): a :class:`~trainer.optim.zero.ShardedOptimizer` that moves the
             parameters into the plan's flat buffers (build it before DDP's wrapper, which reduces over the plan),
-            keeps this rank's shard of the state in the optimizer ``impl`` names (one of torch's: ours re-lays
+            keeps this rank's shard of the state in an inner optimizer of ``impl`` (one of torch's: ours re-lays
             parameters out in buffers of its own) and clips to ``max_grad_norm`` itself.
 
     Returns:
