@@ -52,8 +52,8 @@ def user_step(model: nn.Module, step_model: nn.Module, batches, device: torch.de
     """``step(i) -> loss``: one optimizer step on batch ``i``. ``model`` owns the parameters (AdamW's groups,
     the clip); ``step_model`` runs the forward (``model`` itself, ``torch.compile(model)`` or a DDP wrapper).
     ``like_gpu`` (default: on CUDA): fused AdamW and bf16 autocast."""
-    from trainer.build import param_groups
     from trainer.models import loss_of
+    from trainer.optim import param_groups
 
     like_gpu = device.type == "cuda" if like_gpu is None else like_gpu
     opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=like_gpu)

@@ -143,9 +143,9 @@ def run_loop(a, job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from scripts._user_loop import BETAS, LR, MAX_NORM, WEIGHT_DECAY
-    from trainer.build import param_groups
     from trainer.models.hf import HFCausalLM, load_hf_config
     from trainer.models.recompute import policy
+    from trainer.optim import param_groups
 
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     cuda = a.device == "cuda"

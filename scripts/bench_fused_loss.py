@@ -5,7 +5,7 @@ and W an fp32 master weight, in one process:
 
 - eager:          F.cross_entropy(F.linear(x, W), t), the GPT's head today;
 - compile:        torch.compile of the same function;
-- fused:          trainer.compile.kernels.linear_cross_entropy;
+- fused:          trainer.ops.linear_cross_entropy;
 - fused+compile:  torch.compile of a function calling it (as inside a compiled model).
 
 Reports the median step time (triton.testing.do_bench), first-call (compile) time, peak
@@ -62,7 +62,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from scripts import _meta  # noqa: E402
-from trainer.compile.kernels import linear_cross_entropy as lce  # noqa: E402
+from trainer.ops import linear_cross_entropy as lce  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu_smoke else "cuda"
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts import _meta  # noqa: E402
-from trainer.compile.kernels import add_layer_norm as aln  # noqa: E402
+from trainer.ops import add_layer_norm as aln  # noqa: E402
 
 
 def copy_bandwidth(n_bytes: int = 2**30) -> float:

@@ -116,8 +116,8 @@ def make_groups(shapes, dtype, device, seed=0):
 
 def build_row(row, groups, backend):
     """Return a zero-argument step function for one row."""
-    from trainer.compile.kernels.optimizers import TritonAdamW  # imported in main(), outside the timing
-    from trainer.compile.optimizer import compile_optimizer
+    from trainer.optim.compiled import compile_optimizer
+    from trainer.optim.optimizers import TritonAdamW  # imported in main(), outside the timing
 
     kw = dict(lr=LR, betas=BETAS, eps=EPS)
     name = row.removesuffix("-bf16")
@@ -179,7 +179,7 @@ def copy_bandwidth(device, smoke: bool) -> float:
 
 def sweep_adamw_kernel(n, device, smoke):
     """Our AdamW kernel alone on one flat fp32 buffer, for BLOCK_SIZE x num_warps."""
-    from trainer.compile.kernels.adamw import launch_adamw
+    from trainer.optim.adamw import launch_adamw
 
     p, g = torch.randn(n, device=device), torch.randn(n, device=device)
     m, v, step = torch.zeros(n, device=device), torch.zeros(n, device=device), torch.zeros((), device=device)
@@ -217,8 +217,8 @@ def main() -> None:
     shapes = gpt2_shapes(vocab=64, ctx=16, d=8, layers=2) if smoke else gpt2_shapes()
     n_params = sum(torch.Size(s).numel() for s in shapes)
 
-    import trainer.compile.kernels.adamw  # noqa: F401  (import and kernel decoration outside the first-call times)
-    import trainer.compile.optimizer  # noqa: F401
+    import trainer.optim.adamw  # noqa: F401  (import and kernel decoration outside the first-call times)
+    import trainer.optim.compiled  # noqa: F401
 
     bandwidth = copy_bandwidth(device, smoke)
     results = []

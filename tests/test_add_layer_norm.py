@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tests.conftest import forbid_fallbacks
-from trainer.compile.kernels import add_layer_norm as aln
-from trainer.compile.kernels import rows
-from trainer.compile.kernels.add_layer_norm import add_layer_norm, layer_norm
+from trainer.ops import add_layer_norm as aln
+from trainer.ops import utils
+from trainer.ops.add_layer_norm import add_layer_norm, layer_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -125,8 +125,8 @@ def test_partial_sums_finish_over_many_parts_and_ragged_columns():
     g = torch.Generator().manual_seed(0)
     parts = torch.randn((3, 150, 77), generator=g).to(DEVICE)
     outs = [torch.empty(77, device=DEVICE), torch.empty(77, device=DEVICE), torch.empty(77, device=DEVICE).bfloat16()]
-    rows.sum_parts_kernel[(3, -(-77 // rows.SUM_COLS))](
-        parts, *outs, 150, 77, BLOCK_PARTS=rows.SUM_PARTS, BLOCK_COLS=rows.SUM_COLS
+    utils.sum_parts_kernel[(3, -(-77 // utils.SUM_COLS))](
+        parts, *outs, 150, 77, BLOCK_PARTS=utils.SUM_PARTS, BLOCK_COLS=utils.SUM_COLS
     )
     want = parts.double().sum(1)
     for k in range(3):

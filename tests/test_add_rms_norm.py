@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tests.conftest import forbid_fallbacks
-from trainer.compile.kernels import add_rms_norm as arn
-from trainer.compile.kernels import rows
-from trainer.compile.kernels.add_rms_norm import add_rms_norm, rms_norm
+from trainer.ops import add_rms_norm as arn
+from trainer.ops import utils
+from trainer.ops.add_rms_norm import add_rms_norm, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6  # Llama 3's rms_norm_eps
@@ -187,7 +187,7 @@ def test_partial_sums_finish_over_many_parts_and_ragged_columns():
     want = parts.double().sum(0)
     for dtype, rtol in [(fp32, 1e-5), (bf16, 8e-3)]:
         out = torch.empty(77, device=DEVICE, dtype=dtype)
-        rows.sum_parts(parts[None], [out])  # one output, as this op's backward launches it
+        utils.sum_parts(parts[None], [out])  # one output, as this op's backward launches it
         torch.testing.assert_close(out.double(), want, rtol=rtol, atol=1e-5)
 
 

@@ -22,7 +22,9 @@ from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from trainer.compile import compile_optimizer  # noqa: E402
-from trainer.compile.optimizer import CompiledOptimizer, build_optimizer, resolve_impl  # noqa: E402
+from trainer.optim import build_optimizer  # noqa: E402
+from trainer.optim.compiled import CompiledOptimizer  # noqa: E402
+from trainer.optim.factory import resolve_impl  # noqa: E402
 
 BACKEND = "aot_eager"
 optim = torch.optim

@@ -2,7 +2,7 @@
 
 Under fsdp each rank's TritonAdamW/TritonSGD updates its local shards where FSDP keeps them (an address table for
 the parameters as for the gradients), with its states in flat buffers sized to the shards, shown as DTensors;
-the clipping norm's sum of squares is all-reduced over the ranks (trainer/compile/kernels/flat.py). The Triton
+the clipping norm's sum of squares is all-reduced over the ranks (trainer/optim/flat.py). The Triton
 kernels run under TRITON_INTERPRET=1 on CPU (tests/conftest.py sets it before triton is imported).
 """
 
@@ -20,7 +20,7 @@ from tests.conftest import ROOT, cli, losses, metric, shared_run, torchrun
 from tests.test_distributed import SHAPE, _params, _torchrun, _worker_env
 from tests.test_optim_kernels import DEVICE
 from tests.test_optim_kernels import _params as _tensors
-from trainer.compile.kernels.optimizers import TritonSGD
+from trainer.optim.optimizers import TritonSGD
 
 # optim.grad_clip=0.5 clips every step here (the norms are 1.7 to 2.7; checked below); a checkpoint at step 5
 # is what the 1-process resume starts from.
@@ -165,8 +165,8 @@ from torch.distributed.tensor import DTensor
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-from trainer.compile.kernels.optimizers import TritonAdamW, TritonSGD
-from trainer.compile.optimizer import compile_optimizer
+from trainer.optim.optimizers import TritonAdamW, TritonSGD
+from trainer.optim.compiled import compile_optimizer
 
 def model(sharded):
     torch.manual_seed(0)
@@ -335,7 +335,7 @@ _PTX = r"""
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from trainer.compile.kernels import grad_table
+from trainer.optim import grad_table
 def vector_accesses(fn, sig, constexprs):
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t != "constexpr"}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),

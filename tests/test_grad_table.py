@@ -1,5 +1,5 @@
 """TritonAdamW with flat_grads=False (what optim.impl=triton builds): gradients read through the address
-table of trainer/compile/kernels/grad_table.py. Its arithmetic against float64 and torch is covered with the flat
+table of trainer/optim/grad_table.py. Its arithmetic against float64 and torch is covered with the flat
 mode's in test_optim_kernels.py ("-table" cases); here what differs: gradients left to autograd, and the step
 captured in a CUDA graph (GPU).
 """
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_optim_kernels import DEVICE, _clone_params, _params  # sets TRITON_INTERPRET first on CPU
-from trainer.compile.kernels.optimizers import TritonAdamW
+from trainer.optim.optimizers import TritonAdamW
 
 
 def test_table_mode_leaves_gradients_to_autograd():

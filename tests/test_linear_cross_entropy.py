@@ -22,8 +22,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
 from tests.conftest import forbid_fallbacks  # noqa: E402
-from trainer.compile.kernels import linear_cross_entropy as lce  # noqa: E402
-from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from trainer.ops import linear_cross_entropy as lce  # noqa: E402
+from trainer.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _ROWS_TORCH = lce._cross_entropy_rows_torch  # kept before the autouse fixture below replaces it

@@ -23,16 +23,16 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
-from trainer.compile.kernels import adamw as adamw_mod  # noqa: E402
-from trainer.compile.kernels import grad_norm as grad_norm_mod  # noqa: E402
-from trainer.compile.kernels import sgd as sgd_mod  # noqa: E402
-from trainer.compile.kernels.adamw import adamw_step  # noqa: E402
-from trainer.compile.kernels.flat_group import FlatGroup  # noqa: E402
-from trainer.compile.kernels.grad_norm import grad_norm  # noqa: E402
-from trainer.compile.kernels.optimizers import TritonAdam, TritonAdamW, TritonSGD  # noqa: E402
-from trainer.compile.kernels.runtime import triton_can_run  # noqa: E402
-from trainer.compile.kernels.sgd import sgd_step  # noqa: E402
-from trainer.compile.optimizer import build_optimizer  # noqa: E402
+from trainer.ops.utils import triton_can_run  # noqa: E402
+from trainer.optim import adamw as adamw_mod  # noqa: E402
+from trainer.optim import build_optimizer  # noqa: E402
+from trainer.optim import grad_norm as grad_norm_mod  # noqa: E402
+from trainer.optim import sgd as sgd_mod  # noqa: E402
+from trainer.optim.adamw import adamw_step  # noqa: E402
+from trainer.optim.flat_group import FlatGroup  # noqa: E402
+from trainer.optim.grad_norm import grad_norm  # noqa: E402
+from trainer.optim.optimizers import TritonAdam, TritonAdamW, TritonSGD  # noqa: E402
+from trainer.optim.sgd import sgd_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SIZES = [1, 7, 4097]  # one element, less than a vector, one past two 2048-blocks
@@ -413,7 +413,7 @@ def test_build_optimizer_triton_clips_and_reports():
 _NO_INTERPRETER = r"""
 import json, torch
 out = {}
-from trainer.compile.kernels import adamw, grad_norm, grad_table, optimizers, sgd
+from trainer.optim import adamw, grad_norm, grad_table, optimizers, sgd
 try:
     optimizers.TritonAdamW([torch.nn.Parameter(torch.zeros(3))])
 except ValueError as e:

@@ -17,7 +17,7 @@ import io  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from trainer.compile.kernels.optimizers import TritonAdam, TritonAdamW, TritonSGD  # noqa: E402
+from trainer.optim.optimizers import TritonAdam, TritonAdamW, TritonSGD  # noqa: E402
 
 
 def _states_equal(a: dict, b: dict) -> None:

@@ -1,4 +1,4 @@
-"""Our kernels substituted into models not shaped by our code (trainer/compile/patterns.py).
+"""Our kernels substituted into models not shaped by our code (trainer/compile/passes/).
 
 Each model is compiled with ``aot_eager`` (the pass runs before AOTAutograd, so the backend does not matter) and
 its kernels run under TRITON_INTERPRET=1 on CPU tensors. Substituted and plain graphs must give the same losses
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from tests.conftest import FAST, cli
 from trainer.compile.capture import LossOnly
-from trainer.compile.patterns import KERNEL_NAMES, KernelLog, substituting
+from trainer.compile.passes import KERNEL_NAMES
+from trainer.compile.passes.substitute import KernelLog, substituting
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import FAST, cli, losses, metric, shared_run, torchrun
 from trainer.config import ConfigError, load_config
-from trainer.distributed import zero
+from trainer.optim import zero
 
 # n_embd=33 (3 heads of 11): odd-sized weights and biases, so the buckets need padding and parameters straddle the
 # boundary between the two ranks' halves. grad_clip=0.5 under the observed norms (1.7-2.6): every step is clipped.
@@ -221,9 +221,8 @@ def test_state_dict_is_the_unsharded_optimizers(tmp_path):
     (groups, keys, dtypes, values), which loads back."""
     import torch.distributed as dist
 
-    from trainer.build import param_groups
-    from trainer.compile.optimizer import build_optimizer
     from trainer.distributed.buckets import plan_buckets
+    from trainer.optim import build_optimizer, param_groups
 
     make = lambda groups, clip: build_optimizer(groups, name="adamw", impl="foreach", lr=1e-2, weight_decay=0.1,
                                                 max_grad_norm=clip)  # fmt: skip

@@ -31,7 +31,7 @@ def describe_path(plan: plan_rules.Plan, opt) -> str:
     if c.cudagraphs and device.type == "cuda":
         path += f", the whole step replayed as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps"
     kernels = [f"{opt.impl} {cfg.optim.name}"]
-    if plan.strategy.zero:  # distributed.shard_optimizer (trainer.distributed.zero)
+    if plan.strategy.zero:  # distributed.shard_optimizer (trainer.optim.zero)
         kernels.append(f"optimizer state sharded over {plan.strategy.world} ranks")
     if c.enabled and c.kernels:
         kernels.append(f"kernels substituted where they match: {' '.join(c.kernels)}")
@@ -318,46 +318,27 @@ def lr_lambda(cfg: Config):
     return f
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: not on norms, biases or embeddings (tied heads count as embeddings)."""
-    embedding_ids = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.Embedding)}
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 and id(p) not in embedding_ids else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_optimizer(model: nn.Module, plan: plan_rules.Plan) -> torch.optim.Optimizer:
-    """The optimizer the plan describes (its ``optim_impl``) over ``model``'s :func:`param_groups`.
-
-    With ``distributed.shard_optimizer`` under torchrun and ddp, a
-    :class:`~trainer.distributed.zero.ShardedOptimizer`: it moves the parameters into the bucket plan's flat buffers
-    (build it before :func:`wrap`, which reduces over its plan) and keeps this rank's shard of the state, in torch's
-    optimizer (``auto``: fused on CUDA; ours re-lays parameters out in buffers of its own).
-    """
-    from trainer.compile import optimizer
+def make_optimizer(model: nn.Module, plan: plan_rules.Plan) -> torch.optim.Optimizer:
+    """:func:`trainer.optim.build_optimizer` as the plan describes it (its ``optim_impl``), over ``model``'s
+    :func:`~trainer.optim.param_groups`; sharded over the bucket plan with ``distributed.shard_optimizer`` (build
+    it before :func:`wrap`, which reduces over that plan)."""
+    from trainer.optim import build_optimizer, param_groups
 
     o = plan.cfg.optim
-    kwargs = dict(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                  momentum=o.momentum, device=plan.device)  # fmt: skip
-    groups = param_groups(model, o.weight_decay)
-    if plan.strategy.zero:
-        from trainer.distributed import zero
-
-        buckets = plan.layout_of(model)
-        inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=plan.optim_impl,
-                                                                 max_grad_norm=0.0, **kwargs)  # fmt: skip
-        return zero.ShardedOptimizer(groups, buckets, inner, max_grad_norm=o.grad_clip)
-    opt = optimizer.build_optimizer(
-        groups,
+    opt = build_optimizer(
+        param_groups(model, o.weight_decay),
+        name=o.name,
         impl=plan.optim_impl,
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        momentum=o.momentum,
         max_grad_norm=o.grad_clip,
+        device=plan.device,
         sharded=is_sharded(model),
         scaled=plan.autocast == torch.float16,
-        **kwargs,
+        buckets=plan.layout_of(model) if plan.strategy.zero else None,
     )
     if fp8_all_gather(plan):  # the float8 weights' scales for the next all-gather, after each update
         from trainer.precision import fp8

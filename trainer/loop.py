@@ -76,7 +76,7 @@ class Trainer:
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
         if resolved.strategy.fsdp:
             build.shard(raw_model, resolved, env, say=say)
-        opt = build.build_optimizer(raw_model, resolved)  # shard_optimizer: parameters moved into buckets
+        opt = build.make_optimizer(raw_model, resolved)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
         scaler = build.grad_scaler(resolved.autocast, device)
         ckpts = Checkpointer(run_dir, cfg, env, raw_model, opt, sched, scaler, batches)

@@ -385,7 +385,7 @@ def cpu_peak(cfg: Config, mode: str, micro_batch: int, vocab_size: int, parts: d
     quiet = lambda *_: None  # noqa: E731
     torch.manual_seed(0)
     model = build.make_model(p, vocab_size, env)
-    opt = build.build_optimizer(model, p)
+    opt = build.make_optimizer(model, p)
     wrapped, _ = build.wrap(model, p, env, say=quiet, opt=opt)
     step = build.train_step(wrapped, model, opt, None, p, env, say=quiet)
     x = torch.randint(0, vocab_size, (micro_batch, cfg.data.seq_len))

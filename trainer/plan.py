@@ -187,9 +187,9 @@ def param_dtype(spec: str, precision_: str) -> str:
 
 
 def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_: str) -> tuple[str, str]:
-    """``optim.impl`` and why (see :func:`trainer.compile.optimizer.resolve_impl`; the sharded optimizer's inner
+    """``optim.impl`` and why (see :func:`trainer.optim.factory.resolve_impl`; the sharded optimizer's inner
     update is torch's ``fused`` on CUDA: a shard must stay a view of its bucket's buffer)."""
-    from trainer.compile.optimizer import resolve_impl
+    from trainer.optim.factory import resolve_impl
 
     o = cfg.optim
     if strategy.zero:

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.compile.patterns import KERNEL_NAMES
+from trainer.compile.passes import KERNEL_NAMES
 from trainer.models.presets import PRESETS
 
 

@@ -66,7 +66,7 @@ def non_finite_loss(loss: float, step: int, ranks: list[int] | None, world_size:
 
 class StepOptimizer(Protocol):
     """What the step needs of an optimizer beyond ``torch.optim.Optimizer``'s ``step`` and ``zero_grad``
-    (:func:`trainer.compile.optimizer.build_optimizer` and the sharded optimizer give it)."""
+    (:func:`trainer.optim.build_optimizer` and the sharded optimizer give it)."""
 
     clips_grad_norm: bool
     """It clips inside its own step, with the norm :meth:`grad_norm` gives (the step clips for it otherwise)."""

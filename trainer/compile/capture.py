@@ -109,9 +109,9 @@ def register_kernel_fallbacks() -> list[str]:
     the forward's compile busy for minutes on an H100 (a 2-layer model compiled in 17 s). torch 2.13 formats
     the message lazily. Where Inductor's internals moved, nothing is registered and Inductor does it itself.
     """
-    import trainer.compile.kernels.add_layer_norm  # noqa: F401 - defines the ops
-    import trainer.compile.kernels.add_rms_norm  # noqa: F401
-    import trainer.compile.kernels.linear_cross_entropy  # noqa: F401
+    import trainer.ops.add_layer_norm  # noqa: F401 - defines the ops
+    import trainer.ops.add_rms_norm  # noqa: F401
+    import trainer.ops.linear_cross_entropy  # noqa: F401
 
     try:
         from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
@@ -139,7 +139,8 @@ def compile_kwargs(
 ) -> dict:
     """``torch.compile``'s keyword arguments; with Inductor, ``mode`` goes in as its options (:func:`inductor_options`),
     so the trainer's defaults and the user's options combine with any mode. With ``kernels`` (names of
-    :data:`trainer.config.KERNEL_NAMES`), the backend is :func:`inner_backend`: our kernels substituted first."""
+    :data:`trainer.compile.passes.KERNEL_NAMES`), the backend is :func:`inner_backend`: our kernels substituted
+    first."""
     kwargs = dict(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if backend != "inductor":
         if mode != "default":
@@ -162,9 +163,9 @@ def inner_backend(
     dynamic: bool | None = None,
 ) -> Callable:
     """A Dynamo backend callable: ``backend`` by name (Inductor with ``mode``'s options, the trainer's defaults and
-    ``options``), with our ``kernels`` substituted into each graph before it (:mod:`trainer.compile.patterns`).
+    ``options``), with our ``kernels`` substituted into each graph before it (:mod:`trainer.compile.passes`).
     The distributed layer's graph splitter hands each piece to it."""
-    from trainer.compile.patterns import substituting
+    from trainer.compile.passes.substitute import substituting
 
     patches = compile_kwargs(backend, mode, False, dynamic, options).get("options")  # checks them
     if backend == "inductor":
@@ -179,7 +180,7 @@ def inner_backend(
 def resolve_kernels(value, device_type: str) -> list[str]:
     """``compile.kernels`` as the list of kernel names it means on ``device_type`` (auto: all on CUDA, none
     elsewhere)."""
-    from trainer.compile.patterns import KERNEL_NAMES
+    from trainer.compile.passes import KERNEL_NAMES
 
     if value == "auto":
         return list(KERNEL_NAMES) if device_type == "cuda" else []

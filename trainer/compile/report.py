@@ -212,7 +212,7 @@ class CompileWatcher:
         self._captures_seen = self._counters0[("compiled_autograd", "captures")]
         self._breaks_capture.attach()
         self._install_callback()
-        from trainer.compile.patterns import LOG
+        from trainer.compile.passes.substitute import LOG
 
         LOG.clear()  # this run's substitutions
         self.active = True
@@ -416,7 +416,7 @@ class CompileWatcher:
         count = {k: sum(1 for c in graphs if c["kind"] == k) for k in ("forward", "aot_backward", "compiled_autograd")}
         phases = {p: round(sum(c["phases_s"][p] for c in self._compiles), 6) for p in PHASES}
         breaks = sorted(self._breaks.values(), key=lambda b: (b["file"] or "", b["line"] or 0))
-        from trainer.compile.patterns import LOG
+        from trainer.compile.passes.substitute import LOG
 
         return {
             "torch_version": torch.__version__,
@@ -434,7 +434,7 @@ class CompileWatcher:
             "compile_time_s": {**phases, "total": round(sum(c["compile_time_s"] for c in self._compiles), 6)},
             "cache": {k: delta(g, k) for g, keys in CACHE_COUNTERS.items() for k in keys},
             "compiled_autograd_captures": delta("compiled_autograd", "captures"),
-            # Our kernels substituted into the graphs (trainer/compile/patterns.py), and the near-misses left alone.
+            # Our kernels substituted into the graphs (trainer/compile/passes/), and the near-misses left alone.
             "kernels": LOG.report(),
             "kernel_near_misses": [{"name": n, "source": src, "reason": r} for n, src, r in LOG.near_misses],
             # Frames Dynamo gave up on (a break it cannot resume from, or an error suppressed): they run eagerly.

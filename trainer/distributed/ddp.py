@@ -31,7 +31,7 @@ starts a piece at the first forward use of a bucket's parameters, so the backwar
 completes exactly bucket ``n-1-k``, whose all-reduce then overlaps the backward of the pieces
 before it.
 
-With ``shards`` (``distributed.shard_optimizer``, :mod:`trainer.distributed.zero`) each bucket is flattened into a
+With ``shards`` (``distributed.shard_optimizer``, :mod:`trainer.optim.zero`) each bucket is flattened into a
 padded buffer and reduce-scattered instead: each rank receives its shard of the reduced bucket, for the sharded
 optimizer, and the parameters' ``.grad`` are dropped (no rank has the whole reduced gradients).
 """
@@ -64,7 +64,7 @@ class DataParallel(nn.Module):
         reduce_dtype: dtype the buckets are all-reduced in (None: the gradients' own). A narrower one
             (bf16 for fp32 gradients) halves the bytes on the wire and rounds each rank's gradient to it
             before the sum; the reduced bucket is cast back to the gradients' dtype.
-        shards: a :class:`~trainer.distributed.zero.BucketShards` over ``plan`` (its parameters live in its flat
+        shards: a :class:`~trainer.optim.zero.BucketShards` over ``plan`` (its parameters live in its flat
             buffers): each bucket is reduce-scattered into this rank's gradient shard (not under compiled autograd).
     """
 

@@ -1,8 +1,8 @@
 """The flat-buffer optimizer: parameters, gradients and optimizer states of one dtype and device in contiguous
-storage (:mod:`~trainer.compile.kernels.flat_group`'s groups), updated in one launch per group.
+storage (:mod:`~trainer.optim.flat_group`'s groups), updated in one launch per group.
 
 :class:`FlatOptimizer` is the ``torch.optim.Optimizer`` base of our Triton optimizers
-(:mod:`trainer.compile.kernels.optimizers`): it owns the flat groups, keeps ``state`` in torch's per-parameter
+(:mod:`trainer.optim.optimizers`): it owns the flat groups, keeps ``state`` in torch's per-parameter
 layout (views into the flat state buffers), and gives ``state_dict()`` / ``load_state_dict()`` that
 interchange with ``torch.optim.AdamW`` / ``torch.optim.SGD`` checkpoints.
 
@@ -21,7 +21,7 @@ Semantics that differ from torch's optimizers, by design:
 FSDP2's parameters (``DTensor``, each rank holding a shard) are not moved: FSDP owns their storage and
 all-gathers from it. The optimizer then updates each local shard where it lives and reads the gradients' local
 shards where FSDP's reduce-scatter left them (both through address tables,
-:mod:`~trainer.compile.kernels.grad_table`; still one launch per group). Its states are one tensor per parameter
+:mod:`~trainer.optim.grad_table`; still one launch per group). Its states are one tensor per parameter
 shaped like the local shard, shown in ``state`` (and ``state_dict()``, hence DCP) as ``DTensor``s laid out like
 their parameters, as torch's optimizers keep them. Not views of one flat buffer: torch (2.10 and later) gives a
 ``DTensor`` its local tensor's storage offset (https://github.com/pytorch/pytorch/pull/167597), and
@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from trainer.compile.kernels import grad_table
-from trainer.compile.kernels.flat_group import FlatGroup, group_by_dtype_and_device
-from trainer.compile.kernels.grad_norm import grad_norm
-from trainer.compile.kernels.grad_table import is_dtensor, local_tensor
-from trainer.compile.kernels.runtime import capturing, triton_can_run
+from trainer.ops.utils import capturing, triton_can_run
+from trainer.optim import grad_table
+from trainer.optim.flat_group import FlatGroup, group_by_dtype_and_device
+from trainer.optim.grad_norm import grad_norm
+from trainer.optim.grad_table import is_dtensor, local_tensor
 
 
 class FlatOptimizer(torch.optim.Optimizer):
@@ -69,7 +69,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             is computed on device and read by the update kernel from device memory: no host sync.
         flat_grads: Keep gradients in flat buffers too (see the module docstring); False leaves them where
             autograd puts them and the kernels read them through a table of their addresses
-            (:mod:`trainer.compile.kernels.grad_table`), so ``zero_grad`` sets them to None as torch's does.
+            (:mod:`trainer.optim.grad_table`), so ``zero_grad`` sets them to None as torch's does.
             None (default): flat buffers, except for ``DTensor`` parameters (FSDP2's), which are always updated
             where they live, with their gradients read where FSDP left them (``True`` is then an error).
 
@@ -176,7 +176,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         return (
             f"{type(self).__name__} runs Triton kernels, which need a CUDA device; its parameters are on "
             f"{device}. Use the torch optimizer there (build_optimizer(impl='foreach')), or for tests set "
-            "TRITON_INTERPRET=1 before trainer.compile.kernels is imported."
+            "TRITON_INTERPRET=1 before trainer.optim.optimizers is imported."
         )
 
     def _build(self) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from trainer.compile.kernels.grad_table import local_tensor
+from trainer.optim.grad_table import local_tensor
 
 # Each parameter starts on a 64-byte (and 16-element) boundary of its flat buffer, so the views keep
 # the 16-byte alignment that cuBLAS, vectorised kernels and Inductor's alignment assumptions want.
@@ -47,7 +47,7 @@ class FlatGroup:
             ``.grad`` (if any) is copied into the flat gradient buffer and ``p.grad`` re-pointed.
         flat_grads: False leaves gradients alone (no gradient buffer; ``grad`` and ``grads`` are None, and
             ``sync_grads`` / ``zero_grad`` do not apply): for kernels that read them where autograd put them
-            (:mod:`trainer.compile.kernels.grad_table`).
+            (:mod:`trainer.optim.grad_table`).
         flat_params: False leaves the parameters where they are too (no parameter buffer: ``param`` is None), for
             kernels that update them there; needs ``flat_grads=False``. The layout then follows each parameter's
             local tensor (a ``DTensor``'s shard on this rank), and a "flat state buffer" is a list of tensors,

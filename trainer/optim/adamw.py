@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.compile.kernels.runtime import check_flat_args
+from trainer.ops.utils import check_flat_args
 
 BLOCK_SIZE = 2048
 NUM_WARPS = 8
@@ -78,7 +78,7 @@ def adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Co
                        HAS_CLIP: tl.constexpr):  # fmt: skip
     """One Adam(W) update of a block of the flat param and state buffers, in place, with its gradient ``g``
     (fp32) and this step's coefficients (``_adamw_coefs_kernel``). Shared by the flat kernel and the
-    address-table kernel (:mod:`trainer.compile.kernels.grad_table`)."""
+    address-table kernel (:mod:`trainer.optim.grad_table`)."""
     # Widen right after loading: bf16 arithmetic is wrong under TRITON_INTERPRET, and fp32 math
     # is what we want on the GPU anyway.
     p = tl.load(Param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)

@@ -184,7 +184,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     1e-6))`` (as ``clip_grad_norm_``) when ``max_grad_norm > 0``.
 
     Args:
-        param_groups: the model's parameter groups (:func:`trainer.build.param_groups`): exactly ``plan``'s
+        param_groups: the model's parameter groups (:func:`trainer.optim.param_groups`): exactly ``plan``'s
             parameters.
         plan: the bucket plan whose buffers the parameters move into (:class:`BucketShards`); DataParallel must
             reduce over this plan with :attr:`shards`.

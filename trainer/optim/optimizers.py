@@ -1,25 +1,25 @@
 """Our Triton optimizers: ``TritonAdamW``, ``TritonAdam`` and ``TritonSGD``, drop-ins for torch's on CUDA.
 
-Each is a :class:`~trainer.compile.kernels.flat.FlatOptimizer` (parameters and states in flat buffers, checkpoints
+Each is a :class:`~trainer.optim.flat.FlatOptimizer` (parameters and states in flat buffers, checkpoints
 that interchange with torch's optimizers) whose update is one launch per flat group of the ``trainer::adamw_step``
-or ``trainer::sgd_step`` op, or of the address-table kernel (:mod:`~trainer.compile.kernels.grad_table`)::
+or ``trainer::sgd_step`` op, or of the address-table kernel (:mod:`~trainer.optim.grad_table`)::
 
-    from trainer.compile.kernels.optimizers import TritonAdamW
+    from trainer.optim.optimizers import TritonAdamW
     opt = TritonAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, max_grad_norm=1.0, flat_grads=False)
 
 On FSDP2's ``DTensor`` parameters (``fully_shard``) each rank updates its local shards in place, where FSDP keeps
 them, with its states sized to them; the clipping norm is all-reduced over the shards (see
-:mod:`~trainer.compile.kernels.flat`).
+:mod:`~trainer.optim.flat`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from trainer.compile.kernels.adamw import _adamw_kernel, adamw_step
-from trainer.compile.kernels.flat import FlatOptimizer
-from trainer.compile.kernels.flat_group import FlatGroup
-from trainer.compile.kernels.sgd import _sgd_kernel, sgd_step
+from trainer.optim.adamw import _adamw_kernel, adamw_step
+from trainer.optim.flat import FlatOptimizer
+from trainer.optim.flat_group import FlatGroup
+from trainer.optim.sgd import _sgd_kernel, sgd_step
 
 __all__ = ["TritonAdam", "TritonAdamW", "TritonSGD"]
 
@@ -29,7 +29,7 @@ class TritonAdamW(FlatOptimizer):
 
     A drop-in for ``torch.optim.AdamW`` on CUDA (state layout and checkpoints interchange with it),
     with optional global-norm gradient clipping fused into the step. See
-    :mod:`trainer.compile.kernels.flat` for the flat-buffer semantics (a ``None`` gradient counts
+    :mod:`trainer.optim.flat` for the flat-buffer semantics (a ``None`` gradient counts
     as zero) and this module's docstring for precision.
 
     Args:
@@ -42,7 +42,7 @@ class TritonAdamW(FlatOptimizer):
         max_grad_norm: Clip gradients to this global L2 norm inside the step; 0 disables. The
             pre-clip norm is left in ``last_grad_norm`` (a device tensor) for logging.
         flat_grads: Gradients in a flat buffer too (the default for plain tensors), or left where autograd puts
-            them and read through a table of addresses (:mod:`trainer.compile.kernels.grad_table`): no
+            them and read through a table of addresses (:mod:`trainer.optim.grad_table`): no
             ``grad += new`` in the backward and no zeroing, for a single GPU without gradient accumulation.
             FSDP2's ``DTensor`` parameters always take the table, parameters included (leave it unset).
         decoupled_weight_decay: AdamW (true) or Adam with an L2 penalty (false).
@@ -142,7 +142,7 @@ class TritonSGD(FlatOptimizer):
 
     A drop-in for ``torch.optim.SGD`` on CUDA whose state (``momentum_buffer``) and checkpoints
     interchange with it, plus optional fused global-norm clipping. The momentum buffer is fp32 for
-    any parameter dtype. See :mod:`trainer.compile.kernels.flat` for the flat-buffer semantics.
+    any parameter dtype. See :mod:`trainer.optim.flat` for the flat-buffer semantics.
 
     Args:
         params: Parameters or param-group dicts, all on one CUDA device (CPU only under

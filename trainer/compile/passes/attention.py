@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from trainer.compile.graph_edit import erase_dead, inputs
+from trainer.compile.passes.graph_edit import erase_dead, inputs
 
 _RANDOM = re.compile(r"rand|bernoulli|dropout|normal|uniform|multinomial|poisson|exponential|seed", re.I)
 _MAX_MASK_ELEMENTS = 1 << 28  # evaluated once at compile time; larger masks are left alone

@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trainer.compile.kernels.rows import plan_programs, sum_parts
-from trainer.compile.kernels.runtime import autocast_dtype, interpreted, triton_can_run
+from trainer.ops.utils import autocast_dtype, interpreted, plan_programs, sum_parts, triton_can_run
 
 __all__ = ["add_rms_norm", "rms_norm"]
 

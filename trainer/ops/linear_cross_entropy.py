@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trainer.compile.kernels.runtime import autocast_dtype, interpreted, triton_can_run
+from trainer.ops.utils import autocast_dtype, interpreted, triton_can_run
 
 __all__ = ["linear_cross_entropy"]
 
@@ -140,7 +140,7 @@ def _linear_cross_entropy_kernel(
             tl.store(X_rows + cols[None, :], grad, mask=mask, eviction_policy=EVICT_PASS2)
 
 
-_INTERPRETED = interpreted(_linear_cross_entropy_kernel)  # see runtime.interpreted: when a CPU process can run it
+_INTERPRETED = interpreted(_linear_cross_entropy_kernel)  # see utils.interpreted: when a CPU process can run it
 
 
 def _use_triton(device: torch.device) -> bool:

@@ -1,4 +1,4 @@
-"""Compiled optimizer drop-in (``compile_optimizer``) and the factory the fit loop calls (``build_optimizer``).
+"""Compiled optimizer drop-in (``compile_optimizer``): any torch optimizer, its step compiled.
 
 ``compile_optimizer(opt)`` returns a ``torch.optim.Optimizer`` that shares ``opt``'s param groups
 and state and runs a ``torch.compile``-d copy of its step. What it does that a bare
@@ -24,8 +24,8 @@ and state and runs a ``torch.compile``-d copy of its step. What it does that a b
   ``Optimizer.step``'s code: Dynamo would stop compiling the ninth and later optimizers in a process.
 
 Compile time grows with the number of parameter tensors (tens of seconds for GPT-2's 148 on
-Inductor): for CUDA training, ``build_optimizer(impl="triton")`` (what ``auto`` picks there for Adam(W))
-avoids it with our Triton kernels: no compile, one launch for the whole step.
+Inductor): for CUDA training, :func:`trainer.optim.build_optimizer` with ``impl="triton"`` (what ``auto`` picks
+there for Adam(W)) avoids it with our Triton kernels: no compile, one launch for the whole step.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import inspect
 import itertools
 import logging
 import types
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -401,143 +400,3 @@ def compile_optimizer(
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
     """
     return CompiledOptimizer(opt, backend=backend, mode=mode, options=options, fullgraph=fullgraph)
-
-
-# -- the factory the fit loop calls ----------------------------------------------------------------
-
-OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
-IMPLS = ("auto", "eager", "foreach", "fused", "compiled", "triton")
-
-
-def resolve_impl(
-    impl: str, device: torch.device | str, *, name: str = "adamw", sharded: bool = False, scaled: bool = False
-) -> str:
-    """The implementation ``impl='auto'`` stands for on ``device`` (other values pass through).
-
-    CUDA, Adam(W): ours, ``triton`` (gradients read where autograd left them, clipping inside the step),
-    the fastest measured for a whole training step: gpt2-small B=16 T=1024 bf16, graphed, H100: 485K
-    tok/s against 480K with torch's ``fused`` (the step alone with clipping: 1.38 ms vs 1.78 ms); 2 H200s,
-    ddp: 490K vs 484K tok/s per GPU (docs/performance.md).
-    Not for ``sharded`` parameters (FSDP's DTensors: ``triton`` updates their shards in place, but is not
-    measured against torch's ``fused`` there) or ``scaled`` gradients (fp16's grad scaler, not measured with
-    ours), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused`` there. Elsewhere:
-    ``foreach``.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"optim.impl: expected one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl != "auto":
-        return impl
-    if torch.device(device).type != "cuda":
-        return "foreach"
-    return "triton" if name in ("adamw", "adam") and not sharded and not scaled else "fused"
-
-
-def _normalize_groups(param_groups: Iterable[Any], weight_decay: float) -> list[dict[str, Any]]:
-    groups = list(param_groups)
-    if not groups:
-        raise ValueError("build_optimizer got no parameters")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    out = []
-    for g in groups:
-        g = dict(g)
-        g["params"] = list(g["params"])
-        g.setdefault("weight_decay", weight_decay)
-        out.append(g)
-    return out
-
-
-def build_optimizer(
-    param_groups: Iterable[Any],
-    *,
-    name: str = "adamw",
-    impl: str = "auto",
-    lr: float = 1e-3,
-    betas: tuple[float, float] | list[float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    momentum: float = 0.9,
-    max_grad_norm: float = 0.0,
-    device: torch.device | str | None = None,
-    sharded: bool = False,
-    scaled: bool = False,
-) -> torch.optim.Optimizer:
-    """Build the optimizer for a training run.
-
-    Args:
-        param_groups: Param-group dicts (``[{'params': [...], 'weight_decay': 0.1}, ...]``; a
-            group's own keys win) or an iterable of parameters.
-        name: ``adamw`` | ``adam`` (L2 weight decay) | ``sgd`` (momentum, L2 weight decay).
-        impl: ``auto`` (see :func:`resolve_impl`), ``eager`` (torch, per-tensor loop), ``foreach``
-            (torch, multi-tensor), ``fused`` (torch, fused kernel), ``compiled``
-            (:func:`compile_optimizer` on the foreach optimizer, Inductor) or ``triton`` (ours).
-        lr: Learning rate.
-        betas: Adam betas.
-        eps: Adam epsilon.
-        weight_decay: Default weight decay for groups that do not set one.
-        momentum: SGD momentum.
-        max_grad_norm: Global gradient-norm clip. Only ``triton`` applies it inside the step; for
-            the others the caller clips (see ``clips_grad_norm``).
-        device: Device the parameters will train on; defaults to the first parameter's.
-        sharded: The parameters are FSDP's DTensors (``auto`` then picks torch's optimizer; ``triton`` updates
-            each rank's shards where FSDP keeps them and all-reduces the clipping norm; ``compiled`` steps the
-            DTensors as they are).
-        scaled: An fp16 grad scaler unscales the gradients (``auto`` then picks torch's optimizer).
-
-    Returns:
-        A ``torch.optim.Optimizer`` with two extra attributes: ``clips_grad_norm`` (true when the
-        optimizer clips to ``max_grad_norm`` itself, so the loop must not call
-        ``clip_grad_norm_``; the pre-clip norm is then ``opt.last_grad_norm`` after each step, a
-        device tensor) and ``impl`` (the resolved implementation).
-
-    Raises:
-        ValueError: For an unknown name or impl, or ``triton`` on a device it cannot run on.
-    """
-    if name not in OPTIMIZER_NAMES:
-        raise ValueError(f"optim.name: expected one of {', '.join(OPTIMIZER_NAMES)}, got {name!r}")
-    groups = _normalize_groups(param_groups, weight_decay)
-    if device is None:
-        device = groups[0]["params"][0].device if groups[0]["params"] else torch.device("cpu")
-    device = torch.device(device)
-    resolved = resolve_impl(impl, device, name=name, sharded=sharded, scaled=scaled)
-    betas = tuple(betas)
-
-    if resolved == "triton":
-        if name == "sgd":
-            from trainer.compile.kernels.optimizers import TritonSGD
-
-            opt: torch.optim.Optimizer = TritonSGD(groups, lr=lr, momentum=momentum, max_grad_norm=max_grad_norm)
-        else:
-            from trainer.compile.kernels.optimizers import TritonAdamW
-
-            # Gradients stay autograd's own tensors (read through an address table), not a flat buffer that
-            # autograd would have to add into: see trainer/compile/kernels/grad_table.py.
-            opt = TritonAdamW(
-                groups, lr=lr, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
-                decoupled_weight_decay=name == "adamw", flat_grads=False,
-            )  # fmt: skip
-    else:
-        flags = {"eager": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-        kwargs = flags.get(resolved, {"foreach": True})
-        if name == "sgd":
-            opt = torch.optim.SGD(groups, lr=lr, momentum=momentum, **kwargs)
-        else:
-            cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-            opt = cls(groups, lr=lr, betas=betas, eps=eps, **kwargs)
-        if resolved == "compiled":
-            opt = compile_optimizer(opt, backend="inductor")
-        opt.before_graph_replay = opt.after_graph_replay = None  # torch's: made capturable for a graph instead
-    opt.clips_grad_norm = resolved == "triton" and max_grad_norm > 0
-    opt.impl = resolved
-    log.info("optimizer: %s (%s) on %s, clips grad norm itself: %s", name, resolved, device, opt.clips_grad_norm)
-    return opt
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy, so importing this module does not decorate the Triton kernels: under
-    # TRITON_INTERPRET=1 the variable must be set before they are.
-    if name in ("TritonAdamW", "TritonAdam", "TritonSGD"):
-        from trainer.compile.kernels import optimizers
-
-        return getattr(optimizers, name)
-    raise AttributeError(name)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.compile.kernels.runtime import check_flat_args
+from trainer.ops.utils import check_flat_args
 
 BLOCK_SIZE = 2048
 NUM_WARPS = 8

@@ -1,6 +1,6 @@
 """Optimizer steps and the gradient norm through address tables: gradients (and parameters) left where they are.
 
-:class:`~trainer.compile.kernels.flat_group.FlatGroup` keeps every ``p.grad`` as a view into one flat buffer, so
+:class:`~trainer.optim.flat_group.FlatGroup` keeps every ``p.grad`` as a view into one flat buffer, so
 autograd adds each new gradient into it (``grad += new``: read, read, write) and ``zero_grad`` writes
 zeros: ~16 bytes per fp32 parameter per step on top of the optimizer's 28, more than the flat kernel saves
 over torch's fused AdamW on one GPU. Here only parameters and optimizer states are flat (unless in place,
@@ -18,7 +18,7 @@ write each parameter where it lives. This is how FSDP2's parameters are updated:
 local shard (``p._local_tensor``, a view of FSDP's own sharded storage, which its all-gather reads) must stay
 where FSDP put it, and whose gradient is a ``DTensor`` of the same local shape. Every table then holds the
 local shards, and each optimizer state is one tensor per parameter shaped like its local shard, as torch's
-optimizers keep them (why not a flat buffer: :mod:`~trainer.compile.kernels.flat`), read through its own table.
+optimizers keep them (why not a flat buffer: :mod:`~trainer.optim.flat`), read through its own table.
 
 The addresses are copied to the device from a pinned host buffer that is never rewritten (one per
 distinct set of addresses, a few at most), so the copy can be captured in a CUDA graph: a replay re-reads
@@ -38,11 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from trainer.compile.kernels.adamw import NUM_WARPS, adamw_coefs, adamw_update_block
-from trainer.compile.kernels.grad_norm import FINISH_BLOCK_SIZE, _sumsq_finish_kernel
-from trainer.compile.kernels.runtime import capturing
-from trainer.compile.kernels.sgd import N_COEFS as SGD_N_COEFS
-from trainer.compile.kernels.sgd import _sgd_coefs_kernel, sgd_update_block
+from trainer.ops.utils import capturing
+from trainer.optim.adamw import NUM_WARPS, adamw_coefs, adamw_update_block
+from trainer.optim.grad_norm import FINISH_BLOCK_SIZE, _sumsq_finish_kernel
+from trainer.optim.sgd import N_COEFS as SGD_N_COEFS
+from trainer.optim.sgd import _sgd_coefs_kernel, sgd_update_block
 
 BLOCK_SIZE = 2048
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
