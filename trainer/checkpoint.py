@@ -1,13 +1,19 @@
-"""Checkpoints: atomic, keep-N, a ``last`` pointer, and loading that never runs code.
+"""Checkpoints of a run's Stateful parts: atomic, keep-N, a ``last`` pointer, and loading that never runs code.
 
-Layout of ``<run.dir>/checkpoints/``::
+A :class:`Checkpointer` is given the run's states (``{name: Stateful}``, built by :func:`trainer.state.run_states`)
+and a :class:`Storage` for the model's and the optimizer's: :data:`TORCH_SAVE` (whole tensors in ``torch.save``
+files that the main rank writes) or :data:`DCP` (``torch.distributed.checkpoint``: every rank writes its shards,
+and a load reshards them to the current world size). A run whose model is FSDP-sharded uses DCP. The other states
+are small and go to the same files either way. Layout of ``<run.dir>/checkpoints/``::
 
     step_000040/            one complete checkpoint
-      model.pt              the model's state dict (tensors only)
-      optim.pt              optimizer + LR scheduler (+ grad scaler) state (tensors and plain containers)
-      rng_rank<R>.pt        each rank's RNG states (Python, NumPy, torch CPU, CUDA)
-      meta.json             step, tokens seen, sampler position, the resolved config
+      model.pt              "model": the model's state dict, whole tensors (TORCH_SAVE)
+      dcp/                  "model" and "optimizer" (as "optim"), every rank's shards (DCP)
+      optim.pt              {"optimizer" (TORCH_SAVE), "scheduler", "scaler" (fp16)}: tensors and plain containers
+      rng_rank<R>.pt        "rng": each rank's RNG states (Python, NumPy, torch CPU, CUDA)
+      meta.json             "train" (step, tokens seen) at its top level, "sampler", the world size, the config
     last                    a text file naming the newest complete checkpoint
+    compile_cache.bin       beside the checkpoints (one for all of them), when compiling
 
 A checkpoint is written into a temporary directory, each file fsynced, then renamed into
 place; ``last`` moves (write + fsync + rename) only after that, and old checkpoints are
@@ -23,22 +29,33 @@ import errno
 import functools
 import json
 import os
-import random
 import shutil
 import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 
-from trainer.distributed.env import every_rank
-from trainer.io import atomic_write_text
+from trainer import rundir
+from trainer.distributed.env import DistEnv, every_rank
+from trainer.io import atomic_write, atomic_write_text
 from trainer.step import TrainingError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 META = "meta.json"
 LAST = "last"
 DCP_DIR = "dcp"
+# The states DCP storage keeps in dcp/, and their keys there.
+DCP_KEYS = {"model": "model", "optimizer": "optim"}
+# The states of optim.pt, under their own names.
+OPTIM_KEYS = ("optimizer", "scheduler", "scaler")
+# States a checkpoint may lack: a run with a grad scaler resumes one saved without (fp32 -> fp16), and a rank that
+# the saving run did not have finds no RNG file of its own.
+OPTIONAL = ("scaler", "rng")
 # Keys of the config that fix the model's shape: a resume must not change them.
 SHAPE_KEYS = [
     "model.preset",
@@ -99,6 +116,38 @@ def fault_point(point: str, step: int, rank: int = 0) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Storage:
+    """How a checkpoint keeps the model's and the optimizer's states (the choice: :data:`TORCH_SAVE` or :data:`DCP`).
+
+    Attributes:
+        sharded: every rank writes its shards of them through DCP under ``dcp/`` (the states in their ``by_name``
+            form, :mod:`trainer.state`); otherwise the main rank writes whole tensors to ``model.pt`` and
+            ``optim.pt``. A checkpoint is read as it was written, whatever this run's storage: a run without FSDP
+            resumes an FSDP run's checkpoint, resharded by DCP to whole tensors.
+    """
+
+    sharded: bool
+
+
+TORCH_SAVE = Storage(sharded=False)
+DCP = Storage(sharded=True)
+
+
+class SideFiles(Protocol):
+    """Files kept beside the checkpoints rather than in one (:class:`trainer.state.CompileCache`)."""
+
+    def save(self, root: Path) -> None:
+        """Write them into ``root`` (the main rank, with each checkpoint's files)."""
+
+    def load(self, root: Path) -> str | None:
+        """Read them from ``root`` on resume; a line for rank 0 to print, or None."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -110,121 +159,63 @@ def _fsync_dir(path: Path) -> None:
 def _save_file(obj: Any, path: Path, disk_full: bool = False) -> None:
     if disk_full:  # fault injection (tests): the disk fills up during this file
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write(path, functools.partial(torch.save, obj))
 
 
-def rng_state(device: torch.device) -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()],
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+def _barrier(env: DistEnv) -> None:
+    if env.distributed:
+        torch.distributed.barrier()
 
 
-def set_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(_tuples(state["python"]))
-    np_state = state["numpy"]
-    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+def save(root: Path, step: int, write: Callable[[Path], None], env: DistEnv, keep: int) -> Path:
+    """Write the checkpoint of ``step`` atomically, move ``last`` to it, and keep the newest ``keep``.
 
-
-def _tuples(x):
-    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def save(
-    ckpt_root: Path,
-    *,
-    step: int,
-    model_state: dict,
-    optim_state: dict,
-    meta: dict,
-    rng: dict,
-    rank: int,
-    is_main: bool,
-    keep: int,
-    barrier=lambda: None,
-    gather=lambda x: [x],
-    write_shards=None,
-    write_main=None,
-) -> Path:
-    """Write one checkpoint atomically and move ``last`` to it.
-
-    Every rank calls this; ``rank`` writes its RNG file, the main rank writes the rest and
-    renames. ``barrier`` separates the phases when several ranks write; ``gather(x)`` returns every rank's
-    ``x`` (a collective), so that a write failing on one rank stops all. ``write_shards(dir)``,
-    when given, is called on every rank to write sharded state (DCP) under ``dir/dcp``; then
-    ``model_state`` is None and no ``model.pt`` is written. ``write_main()``, when given, runs on the main rank
-    with its writes (the compile cache beside the checkpoints).
+    Every rank calls this. The main rank makes the temporary directory; then every rank calls ``write(directory)``
+    to write its files there; the ranks agree on whether every write succeeded (a collective), so that a write
+    failing on one rank stops all; the main rank renames the directory into place, moves ``last`` and prunes.
 
     Raises:
         CheckpointWriteError: on every rank, when a rank could not write (a full disk): it names the file, the
             partial checkpoint is removed, ``last`` still names the previous checkpoint.
     """
     name = checkpoint_name(step)
-    final = ckpt_root / name
-    tmp = ckpt_root / f".tmp-{name}"
-    disk_full = fault_point("disk_full", step, rank)
-
-    def make_tmp():
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-
-    def write():
-        _save_file(rng, tmp / f"rng_rank{rank}.pt", disk_full and not is_main)
-        if write_shards is not None:
-            write_shards(tmp / DCP_DIR)
-        if is_main:
-            if write_main is not None:
-                write_main()
-            if model_state is not None:
-                _save_file(model_state, tmp / "model.pt")
-            fault_point("checkpoint_write", step)  # between two files: the checkpoint is incomplete
-            _save_file(optim_state, tmp / "optim.pt", disk_full)
-            with open(tmp / META, "w") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-
-    def publish():
-        _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (e.g. a signal right after a periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
-        atomic_write_text(ckpt_root / LAST, name + "\n")
-        _fsync_dir(ckpt_root)
-
-    failed = _attempt(make_tmp, rank) if is_main else None
-    barrier()
-    failed = failed or _attempt(write, rank)
-    _stop_if_failed(gather(failed), step, ckpt_root, tmp if is_main else None)
-    _stop_if_failed(gather(_attempt(publish, rank) if is_main else None), step, ckpt_root, None)
-    if is_main:
-        _prune(ckpt_root, keep)
-    barrier()
+    final, tmp = root / name, root / f".tmp-{name}"
+    failed = _attempt(_make_empty, tmp, rank=env.rank) if env.is_main else None
+    _barrier(env)
+    failed = failed or _attempt(write, tmp, rank=env.rank)
+    _stop_if_failed(every_rank(failed, env), step, root, tmp if env.is_main else None)
+    published = _attempt(_publish, tmp, final, rank=env.rank) if env.is_main else None
+    _stop_if_failed(every_rank(published, env), step, root, None)
+    if env.is_main:
+        _prune(root, keep)
+    _barrier(env)
     fault_point("after_checkpoint", step)
     return final
 
 
-def _attempt(fn, rank: int) -> tuple[str, int | None, int] | None:
-    """Run ``fn``; a failure to write (OSError, DCP's CheckpointException) as ``(message, errno, rank)``, else
-    None."""
+def _make_empty(directory: Path) -> None:
+    if directory.exists():  # a save that a crash interrupted
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the complete checkpoint ``tmp`` to ``final`` and point ``last`` at it, each step durable."""
+    root = final.parent
+    _fsync_dir(tmp)
+    if final.exists():  # a re-save of the same step (e.g. a signal right after a periodic save)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    atomic_write_text(root / LAST, final.name + "\n")
+    _fsync_dir(root)
+
+
+def _attempt(fn: Callable, *args, rank: int) -> tuple[str, int | None, int] | None:
+    """Run ``fn(*args)``; a failure to write (OSError, DCP's CheckpointException) as ``(message, errno, rank)``,
+    else None."""
     try:
-        fn()
+        fn(*args)
     except OSError as e:
         return str(e), e.errno, rank
     except BaseException as e:
@@ -234,7 +225,7 @@ def _attempt(fn, rank: int) -> tuple[str, int | None, int] | None:
     return None
 
 
-def _stop_if_failed(failures: list, step: int, ckpt_root: Path, partial: Path | None) -> None:
+def _stop_if_failed(failures: list, step: int, root: Path, partial: Path | None) -> None:
     """Raise :class:`CheckpointWriteError` on every rank if any rank failed (``failures``: every rank's)."""
     failed = [f for f in failures if f]
     if not failed:
@@ -243,8 +234,8 @@ def _stop_if_failed(failures: list, step: int, ckpt_root: Path, partial: Path | 
         shutil.rmtree(partial, ignore_errors=True)  # frees the space it took; ``last`` never named it
     message, code, rank = failed[0]
     message += f" (rank {rank})" if len(failures) > 1 else ""
-    pointer = ckpt_root / LAST
-    kept = (f"the last checkpoint is still {ckpt_root / pointer.read_text().strip()} (resume=last continues from it)"
+    pointer = root / LAST
+    kept = (f"the last checkpoint is still {root / pointer.read_text().strip()} (resume=last continues from it)"
             if pointer.is_file() else "no checkpoint was saved before this one")  # fmt: skip
     fix = "Free disk space (or set run.dir on another disk)" if code == errno.ENOSPC else "Fix the cause"
     raise CheckpointWriteError(
@@ -253,13 +244,13 @@ def _stop_if_failed(failures: list, step: int, ckpt_root: Path, partial: Path | 
     )
 
 
-def _prune(ckpt_root: Path, keep: int) -> None:
-    done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and (p / META).exists())
-    current = (ckpt_root / LAST).read_text().strip()
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / META).exists())
+    current = (root / LAST).read_text().strip()
     for old in done[:-keep]:
         if old.name != current:
             shutil.rmtree(old, ignore_errors=True)
-    for stale in ckpt_root.glob(".tmp-step_*"):  # a save that a crash interrupted
+    for stale in root.glob(".tmp-step_*"):  # a save that a crash interrupted
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -296,33 +287,56 @@ def _load_file(path: Path, device: torch.device) -> Any:
         raise CheckpointError(f"cannot load checkpoint file {path}: {reason[:300]}") from None
 
 
-def load(path: Path, *, rank: int, device: torch.device) -> dict:
-    """Read a checkpoint directory: ``{"model", "optim", "rng", "meta", "dcp"}``.
+def _read_meta(path: Path) -> dict:
+    if not path.is_dir():
+        raise CheckpointError(f"not a checkpoint directory: {path}")
+    try:
+        return json.loads((path / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"incomplete checkpoint {path}: {META} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"corrupt checkpoint file {path / META}: {e}") from None
 
-    A checkpoint written under FSDP has its model and optimizer state in ``dcp/`` (read with
-    :func:`trainer.distributed.fsdp.load_dcp`): then ``model`` is None and ``dcp`` is that path.
+
+def read(path: Path, *, rank: int, device: torch.device) -> dict[str, Any]:
+    """The state dicts checkpoint ``path`` holds in files, by state name, and its ``config``: every file this rank
+    reads is read (and checked) here, before anything is loaded. A DCP checkpoint's ``model`` and ``optimizer``
+    are not among them: :func:`_load_shards` reads those into the states.
 
     Raises:
         CheckpointError: naming the file and the problem.
     """
-    if not path.is_dir():
-        raise CheckpointError(f"not a checkpoint directory: {path}")
-    meta_path = path / META
-    try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"incomplete checkpoint {path}: {META} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"corrupt checkpoint file {meta_path}: {e}") from None
+    meta = _read_meta(path)
+    train = {k: v for k, v in meta.items() if k not in ("sampler", "world_size", "config")}
+    saved = {"train": train, "config": meta.get("config", {})}
+    if "sampler" in meta:
+        saved["sampler"] = meta["sampler"]
+    if not (path / DCP_DIR).is_dir():
+        saved["model"] = _load_file(path / "model.pt", device)
+    saved.update(_load_file(path / "optim.pt", device))
     rng_path = path / f"rng_rank{rank}.pt"
-    sharded = (path / DCP_DIR).is_dir()
-    return {
-        "meta": meta,
-        "dcp": path / DCP_DIR if sharded else None,  # model and optimizer state, sharded (DCP)
-        "model": None if sharded else _load_file(path / "model.pt", device),
-        "optim": _load_file(path / "optim.pt", device),
-        "rng": _load_file(rng_path, torch.device("cpu")) if rng_path.exists() else None,
-    }
+    if rng_path.exists():
+        saved["rng"] = _load_file(rng_path, torch.device("cpu"))
+    return saved
+
+
+def _save_shards(states: dict[str, Stateful], directory: Path) -> None:
+    """Every rank writes its shards of the DCP-kept states under ``directory``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({key: states[name].named().state_dict() for name, key in DCP_KEYS.items()}, checkpoint_id=str(directory))
+
+
+def _load_shards(states: dict[str, Stateful], directory: Path) -> None:
+    """Load a DCP checkpoint's states, resharded to this run's layout (any world size; whole tensors without FSDP).
+    Their state dicts, taken first, are the layout DCP reads into (an empty optimizer state is initialised)."""
+    import torch.distributed.checkpoint as dcp
+
+    named = {key: states[name].named() for name, key in DCP_KEYS.items()}
+    target = {key: state.state_dict() for key, state in named.items()}
+    dcp.load(target, checkpoint_id=str(directory))
+    for key in reversed(list(named)):  # the optimizer first, as DCP's set_state_dict does
+        named[key].load_state_dict(target[key])
 
 
 def load_model_weights(path: Path, model: torch.nn.Module) -> dict:
@@ -333,14 +347,7 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> dict:
     Raises:
         CheckpointError: a missing or incomplete checkpoint, or weights that do not fit ``model``.
     """
-    if not path.is_dir():
-        raise CheckpointError(f"not a checkpoint directory: {path}")
-    try:
-        meta = json.loads((path / META).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"incomplete checkpoint {path}: {META} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"corrupt checkpoint file {path / META}: {e}") from None
+    meta = _read_meta(path)
     try:
         if (path / DCP_DIR).is_dir():
             import warnings
@@ -401,112 +408,100 @@ def compare_configs(saved: dict, current: dict, path: Path) -> list[str]:
 
 
 class Checkpointer:
-    """A run's checkpoints: the model, optimizer, schedule, grad scaler, sampler position and RNG, saved and restored.
+    """A run's checkpoints: its states saved by every rank together, atomically, and loaded on resume.
 
     Args:
-        run_dir: the run directory (checkpoints go to ``run_dir/checkpoints``).
-        cfg: the run's config (saved with each checkpoint; a resume compares it with its own).
-        env: the process environment (every rank writes its RNG state; under FSDP its shards).
-        model: the unwrapped model; FSDP-sharded models are saved and loaded through DCP.
-        opt, sched, scaler: the optimizer, the LR scheduler and the fp16 grad scaler (or None).
-        batches: the sampler, whose position is the step.
+        states: the run's Stateful parts by name (:func:`trainer.state.run_states`); a resume loads them in this
+            order. The names place them in the layout (the module docstring): ``model``, ``optimizer``,
+            ``scheduler``, ``scaler``, ``train``, ``sampler``, ``rng``.
+        storage: :data:`TORCH_SAVE` or :data:`DCP`, for the model's and the optimizer's states.
+        run_dir: the run directory; checkpoints go to ``run_dir/checkpoints``.
+        env: this process's rank and device; every rank calls :meth:`save` and :meth:`restore`.
+        config: the run's resolved config as plain containers: saved with each checkpoint; a resume compares it
+            with the checkpoint's.
+        keep: how many complete checkpoints to keep (the newest).
+        beside: files kept beside the checkpoints (:class:`SideFiles`), saved with each and loaded on resume.
     """
 
-    def __init__(self, run_dir: Path, cfg, env, model, opt, sched, scaler, batches):
-        self.root = run_dir / "checkpoints"
-        self.cfg, self.env, self.model, self.opt, self.sched, self.scaler = cfg, env, model, opt, sched, scaler
-        self.batches = batches
+    def __init__(self, states: dict[str, Stateful], storage: Storage, run_dir: Path, env: DistEnv, *, config: dict,
+                 keep: int, beside: Sequence[SideFiles] = ()):  # fmt: skip
+        assert set(states) <= {*DCP_KEYS, *OPTIM_KEYS, "train", "sampler", "rng"}, f"no place for {sorted(states)}"
+        self.states, self.storage, self.root, self.env = states, storage, run_dir / "checkpoints", env
+        self.config, self.keep, self.beside = config, keep, beside
         self.last: Path | None = None  # the newest checkpoint this process wrote
         self.resumed: Path | None = None  # the checkpoint this run resumed from
 
-    def save(self, step: int, tokens_seen: int) -> Path:
+    def save(self, step: int) -> Path:
         """Write the checkpoint of ``step`` (every rank calls this) and move ``last`` to it."""
-        from trainer.compile.graphed import plain_lrs
-        from trainer.config import to_dict
-        from trainer.distributed.fsdp import is_sharded, save_dcp
-
-        env, sharded = self.env, is_sharded(self.model)
-        optim_state = {"scheduler": self.sched.state_dict()}
-        if not sharded:
-            optim_state["optimizer"] = plain_lrs(self.opt.state_dict())  # a graphed step keeps lr in a tensor
-        if self.scaler is not None:
-            optim_state["scaler"] = self.scaler.state_dict()
-        meta = {"step": step, "tokens_seen": tokens_seen, "sampler": self.batches.state_dict(next_step=step),
-                "world_size": env.world_size, "config": to_dict(self.cfg)}  # fmt: skip
-        write_main = None
-        if self.cfg.compile.enabled or self.cfg.compile.autograd:
-            from trainer.compile import cache
-
-            write_main = functools.partial(cache.save_artifacts, self.root)
-        self.last = save(
-            self.root, step=step, model_state=None if sharded else self.model.state_dict(), optim_state=optim_state,
-            meta=meta, rng=rng_state(env.device), rank=env.rank, is_main=env.is_main, keep=self.cfg.checkpoint.keep,
-            barrier=torch.distributed.barrier if env.distributed else (lambda: None),
-            gather=functools.partial(every_rank, env=env), write_main=write_main,
-            write_shards=(lambda path: save_dcp(path, self.model, self.opt)) if sharded else None,
-        )  # fmt: skip
+        # Every rank takes every state dict: one may be a collective (the sharded optimizer gathers its state).
+        sharded = DCP_KEYS if self.storage.sharded else {}
+        snapshot = {name: state.state_dict() for name, state in self.states.items() if name not in sharded}
+        self.last = save(self.root, step, functools.partial(self._write, snapshot, step), self.env, self.keep)
         return self.last
 
-    def begin(self, start) -> tuple[int, int]:
-        """Start the run as ``start`` (a :class:`trainer.rundir.Start`) says: restore its checkpoint, or none; say
-        how it started in one line (a resume, or a fresh start under ``resume=auto`` or a torchrun restart) and
-        record it in ``starts.jsonl`` (rank 0). Returns ``(step, tokens_seen)``."""
-        from trainer import rundir
+    def _write(self, snapshot: dict[str, Any], step: int, directory: Path) -> None:
+        """This rank's files of the checkpoint of ``step`` in ``directory``: its RNG state, its DCP shards; on the
+        main rank the side files, then ``model.pt``, ``optim.pt`` and ``meta.json``."""
+        rank, main = self.env.rank, self.env.is_main
+        disk_full = fault_point("disk_full", step, rank)
+        _save_file(snapshot["rng"], directory / f"rng_rank{rank}.pt", disk_full and not main)
+        if self.storage.sharded:
+            _save_shards(self.states, directory / DCP_DIR)
+        if not main:
+            return
+        for files in self.beside:
+            files.save(self.root)
+        if "model" in snapshot:
+            _save_file(snapshot["model"], directory / "model.pt")
+        fault_point("checkpoint_write", step)  # between two files: the checkpoint is incomplete
+        _save_file({k: snapshot[k] for k in OPTIM_KEYS if k in snapshot}, directory / "optim.pt", disk_full)
+        meta = {**snapshot["train"], "sampler": snapshot["sampler"], "world_size": self.env.world_size,
+                "config": self.config}  # fmt: skip
+        atomic_write_text(directory / META, json.dumps(meta, indent=1))
 
-        step, tokens = self.restore(start.resume, start.headline()) if start.resume else (0, 0)
+    def begin(self, start: rundir.Start) -> Stateful:
+        """Start the run as ``start`` says: restore its checkpoint, or none; say how it started in one line (a
+        resume, or a fresh start under ``resume=auto`` or a torchrun restart) and record it in ``starts.jsonl``
+        (rank 0). Returns the ``train`` state (:class:`trainer.state.TrainState`): the run's position."""
+        step = self.restore(start.resume, start.headline()) if start.resume else 0
         if self.env.is_main:
             if start.resume is None and (line := start.fresh_line(self.root.parent)):
                 print(line, flush=True)
             rundir.record_start(self.root.parent, start, step, self.resumed, self.env.world_size)
-        return step, tokens
+        return self.states["train"]
 
-    def restore(self, spec: str, headline: str = "resumed from {path} at step {step}") -> tuple[int, int]:
-        """Load ``resume=spec`` (``last`` or a path) into the run; returns ``(step, tokens_seen)``. ``headline``:
-        the line rank 0 prints first, a template of ``{path}`` and ``{step}``.
+    def restore(self, spec: str, headline: str = "resumed from {path} at step {step}") -> int:
+        """Load ``resume=spec`` (``last`` or a path) into the states; returns its step. ``headline``: the line rank 0
+        prints first, a template of ``{path}`` and ``{step}``.
 
-        The schedule follows the current config (its lambdas are not in the checkpoint), so a changed ``optim.lr``
-        or ``train.steps`` takes effect; unchanged, the learning rate continues exactly.
+        Raises:
+            CheckpointError: a checkpoint that is missing, unreadable, or does not fit this run's config or states.
         """
-        from trainer.config import to_dict
-        from trainer.distributed.fsdp import is_sharded, load_dcp
-
         path = resolve(spec, self.root.parent)
-        state = load(path, rank=self.env.rank, device=self.env.device)
-        meta = state["meta"]
-        changes = compare_configs(meta.get("config", {}), to_dict(self.cfg), path)
-        if is_sharded(self.model) and state["dcp"] is None:
+        saved = read(path, rank=self.env.rank, device=self.env.device)
+        changes = compare_configs(saved.pop("config"), self.config, path)
+        in_shards = (path / DCP_DIR).is_dir()
+        if self.storage.sharded and not in_shards:
             raise CheckpointError(f"checkpoint {path} was written without fsdp (whole tensors in model.pt); resume "
                                   "it with distributed.strategy=ddp or none")  # fmt: skip
         try:
-            if state["dcp"] is not None:  # written under FSDP: resharded to this run's world size by DCP
-                load_dcp(state["dcp"], self.model, self.opt)
-            else:
-                self.model.load_state_dict(state["model"])
-                self.opt.load_state_dict(state["optim"]["optimizer"])
-            self.sched.load_state_dict(state["optim"]["scheduler"])
-            if self.scaler is not None and "scaler" in state["optim"]:
-                self.scaler.load_state_dict(state["optim"]["scaler"])
+            if in_shards:  # written under FSDP: resharded to this run's world size by DCP
+                _load_shards(self.states, path / DCP_DIR)
+            for name, state in self.states.items():
+                if name in saved:
+                    state.load_state_dict(saved[name])
+                elif name not in OPTIONAL and not (in_shards and name in DCP_KEYS):
+                    raise KeyError(name)
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(f"checkpoint {path} does not fit this model/optimizer: {e}") from None
-        lr = self.cfg.optim.lr
-        self.sched.base_lrs = [lr for _ in self.sched.base_lrs]
-        for group, lam in zip(self.opt.param_groups, self.sched.lr_lambdas):
-            group["lr"] = lr * lam(self.sched.last_epoch)
-        if state["rng"] is not None:
-            set_rng_state(state["rng"], self.env.device)
-        # The compile bundle is generated code: loaded only from this run's own directory.
-        cached = (self.cfg.compile.enabled or self.cfg.compile.autograd) and self._load_compile_cache()
+        said = [line for files in self.beside if (line := files.load(self.root))]
         self.resumed = path
+        step = int(saved["train"]["step"])
         if self.env.is_main:
-            print(headline.format(path=path, step=meta["step"]), flush=True)
-            if cached:
-                print("loaded the compile cache saved with the checkpoints", flush=True)
+            print(headline.format(path=path, step=step), flush=True)
+            for line in said:
+                print(line, flush=True)
             for line in changes:
                 if not line.startswith(("run.", "model.kwargs")):
                     print(f"  changed on resume: {line}", flush=True)
-        return int(meta["step"]), int(meta.get("tokens_seen", 0))
-
-    def _load_compile_cache(self) -> bool:
-        from trainer.compile import cache
-
-        return cache.load_artifacts(self.root)
+        return step

@@ -5,20 +5,36 @@ runs."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], object]) -> Path:
     """Write ``data`` to ``path`` atomically (a reader sees the old file or the new one, never a part); the
-    parent directory is made if missing. Returns the path."""
+    parent directory is made if missing. Returns the path.
+
+    Args:
+        data: the bytes, or a function that writes them to the open file (``torch.save``'s, which streams a large
+            object rather than holding all its bytes at once).
+
+    Raises:
+        OSError: naming ``path`` (a full disk, say); the temporary file is removed and ``path`` is unchanged.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data) if isinstance(data, bytes) else data(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from None  # the file the caller asked for
+        raise
     return path
 
 

@@ -16,13 +16,15 @@ from types import SimpleNamespace
 import torch
 
 from trainer import build, memory, plan, rundir
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer
+from trainer.compile import cache
 from trainer.compile.report import RecompileLimitError
-from trainer.config import Config
+from trainer.config import Config, to_dict
 from trainer.data import load_corpus
 from trainer.distributed import env as dist_env
 from trainer.metrics import Metrics, StepLog, peak_flops
 from trainer.models import flops_per_token
+from trainer.state import CompileCache, run_states
 from trainer.step import TrainingError, non_finite_loss
 
 __all__ = ["Trainer", "TrainingError"]
@@ -57,8 +59,7 @@ class Trainer:
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
         device, say = env.device, (lambda m: m and print(m, flush=True)) if env.is_main else None
         resolved = plan.resolve(self.cfg, env)  # every auto, once: the compile switches the fastest path here
-        cfg = resolved.cfg
-        run_dir = Path(cfg.run.dir)
+        cfg, run_dir = resolved.cfg, Path(resolved.cfg.run.dir)
         build.set_up_process(cfg)  # the seeds, train.threads
         # The data, the model (checked against the data) and its layout, the optimizer; a resume's state.
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
@@ -71,19 +72,19 @@ class Trainer:
             resolved.write(run_dir)  # config.yaml and plan.json
             say(memory.startup_note(self.cfg, raw_model, env.world_size, resolved.device_memory))  # None on CPU
         if compiling := cfg.compile.enabled or cfg.compile.autograd:
-            from trainer.compile import cache
-
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
         if resolved.strategy.fsdp:
             build.shard(raw_model, resolved, env, say=say)
         opt = build.make_optimizer(raw_model, resolved)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
         scaler = build.grad_scaler(resolved.autocast, device)
-        ckpts = Checkpointer(run_dir, cfg, env, raw_model, opt, sched, scaler, batches)
-        step, tokens = ckpts.begin(start)  # resumed (resume=auto: if there is a checkpoint), or fresh at 0
+        states = run_states(raw_model, opt, sched, scaler, batches, lr=cfg.optim.lr, device=device)
+        ckpts = Checkpointer(states, DCP if resolved.strategy.fsdp else TORCH_SAVE, run_dir, env, config=to_dict(cfg),
+                             keep=cfg.checkpoint.keep, beside=[CompileCache()] if compiling else [])  # fmt: skip
+        progress = ckpts.begin(start)  # the step and tokens seen: resumed (resume=auto: if there is a checkpoint), or 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
-                          tensorboard=cfg.log.tensorboard, start_step=step)  # fmt: skip
+                          tensorboard=cfg.log.tensorboard, start_step=progress.step)  # fmt: skip
         model, self.splitter = build.wrap(raw_model, resolved, env, say=metrics.print, opt=opt)
         train_step = build.train_step(model, raw_model, opt, scaler, resolved, env, say=metrics.print)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
@@ -100,20 +101,19 @@ class Trainer:
             if not math.isfinite(loss):
                 raise non_finite_loss(loss, step_read, ranks, env.world_size, ckpts.last)
 
-        log = StepLog(metrics, env=env, start_step=step, last_step=cfg.train.steps, log_every=cfg.log.every,
+        log = StepLog(metrics, env=env, start_step=progress.step, last_step=cfg.train.steps, log_every=cfg.log.every,
                       tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(raw_model, cfg.data.seq_len),
                       peak_flops=peak_flops(device, cfg.log.peak_flops), compiled=compiling, check=check)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model.train()
         try:
-            while step < cfg.train.steps:
+            while progress.step < cfg.train.steps:
                 lr = sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)  # this step's, as a float
-                out = train_step(functools.partial(batches.train_batch, step))  # (micro) -> (x, y)
+                out = train_step(functools.partial(batches.train_batch, progress.step))  # (micro) -> (x, y)
                 sched.step()  # a graphed step reads the new lr from the optimizer's lr tensor, which this fills
-                step += 1
-                tokens += 0 if out.skipped else tokens_per_step
-                log.launched(step, out, lr, tokens)  # and writes the step before it
+                step = progress.advance(0 if out.skipped else tokens_per_step)
+                log.launched(step, out, lr, progress.tokens_seen)  # and writes the step before it
                 due = _due(cfg, step, env, signals)
                 if due.evaluate or due.save or due.stop or log.reads_at_once(step):
                     record = log.read(force=due.evaluate)  # now, before anything reads the state
@@ -122,7 +122,7 @@ class Trainer:
                             record["val_loss"] = train_step.evaluate(batches.val_batch, cfg.train.eval_batches)
                     log.write(record)
                 if due.save:
-                    ckpts.save(step, tokens)
+                    ckpts.save(step)
                 if due.evaluate or due.save:
                     log.timer.restart()  # evaluation and saving are not training time
                 if due.stop:
@@ -134,7 +134,7 @@ class Trainer:
             if watcher is not None:
                 watcher.stop(report=run_dir / "compile_report.json" if env.is_main else None)
             metrics.close()  # a failed run's too: a gloo rank then exits without finalizing the interpreter
-        last = str(ckpts.last) if ckpts.last else None
+        step, last = progress.step, str(ckpts.last) if ckpts.last else None
         return log.summary(steps=step, run_dir=str(run_dir), checkpoint=last, stopped=step < cfg.train.steps)
 
 

@@ -18,15 +18,15 @@ shards from rank 0's parameters (:func:`parameters_on_meta`, :func:`materialize_
 one model's, not one per rank (an 8B model is 32 GB in fp32), and every rank starts from the values a single
 process builds with the same seed.
 
-Checkpoints go through ``torch.distributed.checkpoint`` (DCP): each rank writes its shards, and a
-load reshards to whatever the current world size is (or to whole tensors in one process).
+Checkpoints of a sharded model go through ``torch.distributed.checkpoint`` (DCP; :mod:`trainer.checkpoint`, the
+model's and optimizer's state dicts in :mod:`trainer.state`): each rank writes its shards, and a load reshards to
+whatever the current world size is (or to whole tensors in one process).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -150,46 +150,3 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-def save_dcp(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Every rank writes its shards of the model and optimizer states under ``path`` (a directory)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": {k: _plain(v) for k, v in model_sd.items()}, "optim": optim_sd}, checkpoint_id=str(path))
-
-
-def _plain(t):
-    """``t`` with a wrapper subclass around its (local) tensor replaced by the tensor it wraps.
-
-    Float8 all-gather (``train.precision=fp8`` under fsdp) wraps each float8 layer's fp32 weight in torchao's
-    ``WeightWithDynamicFloat8CastTensor``. DCP would pickle that class into the checkpoint, which ``torch.load``
-    refuses to read back (``weights_only``) and a bf16 run or an export could not use: the checkpoint keeps the
-    fp32 tensor inside it, as a bf16 run saves it. A wrapper whose one inner tensor has another shape or dtype is
-    kept as it is.
-    """
-    from torch.distributed.tensor import DTensor
-
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    if not isinstance(local, torch.Tensor) or type(local) in (torch.Tensor, nn.Parameter):
-        return t
-    names = local.__tensor_flatten__()[0] if hasattr(local, "__tensor_flatten__") else []
-    inner = getattr(local, names[0]) if len(names) == 1 else None
-    if inner is None or inner.shape != local.shape or inner.dtype != local.dtype:
-        return t
-    if not isinstance(t, DTensor):
-        return inner
-    return DTensor.from_local(inner, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
-
-
-def load_dcp(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Load a DCP checkpoint into ``model`` and ``opt``, resharded to this run's layout (any world size)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, opt)  # the target layout (initialises empty optimizer state)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

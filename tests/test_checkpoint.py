@@ -1,0 +1,128 @@
+"""The Checkpointer of Stateful parts in one process: a checkpoint kept in tests/data loads, the states round-trip,
+and the layout on disk is the documented one. Runs through `trainer fit` (resume, faults, fsdp, sharded
+optimizer) are in test_fit.py, test_faults.py, test_distributed.py, test_fsdp_optim.py and test_shard_optimizer.py.
+"""
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import build, plan
+from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, CheckpointError
+from trainer.config import load_config, to_dict
+from trainer.data import load_corpus
+from trainer.distributed.env import DistEnv
+from trainer.models import loss_of
+from trainer.state import RNGState, TrainState, run_states
+
+# tests/data/tiny_checkpoint: the step-3 checkpoint of `trainer fit configs/tiny.yaml` with these overrides, on the
+# CPU in one process (commit de538f1). Kept as files: a change to the format that stops existing checkpoints from
+# loading fails here.
+FIXTURE = Path(__file__).parent / "data" / "tiny_checkpoint"
+FIXTURE_ARGS = ["model.n_layer=1", "model.n_head=1", "model.n_embd=4", "data.seq_len=8", "train.micro_batch_size=2",
+                "train.steps=3", "checkpoint.every=3", "train.eval_every=0", "schedule.warmup_steps=2",
+                "log.every=1", "train.device=cpu"]  # fmt: skip
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+
+
+def _parts(run_dir: Path, *overrides: str):
+    """The states and config of a run of FIXTURE_ARGS in ``run_dir``, built as trainer.loop builds them (fresh)."""
+    resolved = plan.resolve(load_config("configs/tiny.yaml", [*FIXTURE_ARGS, *overrides, f"run.dir={run_dir}"]), ENV)
+    cfg = resolved.cfg
+    build.set_up_process(cfg)
+    corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
+                         dtype=cfg.data.dtype)  # fmt: skip
+    model = build.make_model(resolved, corpus.vocab_size, ENV)
+    opt = build.build_optimizer(model, resolved.placed(model))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
+    states = run_states(model, opt, sched, None, build.batches(cfg, corpus, ENV), lr=cfg.optim.lr, device=ENV.device)
+    return states, cfg, model, opt, sched
+
+
+def _checkpointer(states, cfg, storage=TORCH_SAVE):
+    return Checkpointer(states, storage, Path(cfg.run.dir), ENV, config=to_dict(cfg), keep=cfg.checkpoint.keep)
+
+
+def _assert_same(a, b, where=""):
+    """``a`` and ``b`` equal, tensors exactly (a load copies; nothing is computed)."""
+    kinds = (dict, (list, tuple), torch.Tensor)
+    assert [isinstance(a, k) for k in kinds] == [isinstance(b, k) for k in kinds], (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(a, key=str), sorted(b, key=str))
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_a_checkpoint_of_the_kept_format_loads(tmp_path, capsys):
+    """The kept checkpoint loads into a freshly built run: its step and tokens, every weight, the optimizer's state
+    and hyperparameters, the schedule's position, the RNG."""
+    states, cfg, model, opt, sched = _parts(tmp_path)
+    saved_model = torch.load(FIXTURE / "model.pt", weights_only=True)
+    saved_optim = torch.load(FIXTURE / "optim.pt", weights_only=True)
+    assert not all(torch.equal(p, saved_model[n]) for n, p in model.state_dict().items())  # fresh: not yet loaded
+
+    assert _checkpointer(states, cfg).restore(str(FIXTURE)) == 3
+    assert f"resumed from {FIXTURE} at step 3" in capsys.readouterr().out
+    train = states["train"]
+    assert (train.step, train.tokens_seen) == (3, 3 * 2 * 8)  # steps x sequences x tokens per sequence
+    _assert_same(model.state_dict(), saved_model, "model")
+    _assert_same(opt.state_dict(), saved_optim["optimizer"], "optimizer")
+    assert opt.state_dict()["state"][0]["step"] == 3
+    assert sched.last_epoch == 3 and sched.state_dict()["_last_lr"] == saved_optim["scheduler"]["_last_lr"]
+    _assert_same(RNGState(ENV.device).state_dict(), torch.load(FIXTURE / "rng_rank0.pt", weights_only=True), "rng")
+
+
+def test_states_round_trip(tmp_path, capsys):
+    """Saved by one run, restored into another built fresh: every state dict equal to the saved one; the files are
+    the documented ones (whole tensors in model.pt and optim.pt, meta.json as before)."""
+    states, cfg, model, opt, sched = _parts(tmp_path / "a")
+    loss_of(model(*states["sampler"].batches.train_batch(0, 0))).backward()
+    opt.step()
+    sched.step()
+    states["train"].advance(16)
+    ckpts = _checkpointer(states, cfg)
+    path = ckpts.save(1)
+    assert path == tmp_path / "a" / "checkpoints" / "step_000001" and ckpts.last == path
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model.pt", "optim.pt", "rng_rank0.pt"]
+    assert (path.parent / "last").read_text() == "step_000001\n"
+    meta = json.loads((path / "meta.json").read_text())
+    assert (meta["step"], meta["tokens_seen"], meta["world_size"]) == (1, 16, 1)
+    assert meta["sampler"] == {"seed": cfg.seed, "next_step": 1, "global_batch": 2} and meta["config"] == to_dict(cfg)
+    assert set(torch.load(path / "optim.pt", weights_only=True)) == {"optimizer", "scheduler"}
+    saved = {name: state.state_dict() for name, state in states.items()}
+
+    other, cfg_b, *_ = _parts(tmp_path / "b")
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)  # other RNG states, which the load replaces
+    assert RNGState(ENV.device).state_dict()["torch"].ne(saved["rng"]["torch"]).any()
+    assert _checkpointer(other, cfg_b).restore(str(path)) == 1
+    for name, state in other.items():
+        _assert_same(state.state_dict(), saved[name], name)
+    assert isinstance(other["train"], TrainState)
+
+
+def test_fsdp_storage_refuses_a_checkpoint_of_whole_tensors(tmp_path):
+    """A run that keeps its model and optimizer through DCP (fsdp) cannot load model.pt: the error says what to use."""
+    states, cfg, *_ = _parts(tmp_path)
+    with pytest.raises(CheckpointError, match="written without fsdp .* distributed.strategy=ddp or none"):
+        _checkpointer(states, cfg, DCP).restore(str(FIXTURE))
+
+
+def test_a_checkpoint_of_another_shape_is_refused_before_anything_loads(tmp_path):
+    states, cfg, model, *_ = _parts(tmp_path, "model.n_embd=8", "model.n_head=2")
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="incompatible with this config: model.n_head was 1, now 2"):
+        _checkpointer(states, cfg).restore(str(FIXTURE))
+    _assert_same(model.state_dict(), before, "model")
+    assert states["train"].step == 0
