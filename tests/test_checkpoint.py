@@ -37,7 +37,7 @@ def _parts(run_dir: Path, *overrides: str):
     corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                          dtype=cfg.data.dtype)  # fmt: skip
     model = build.make_model(resolved, corpus.vocab_size, ENV)
-    opt = build.build_optimizer(model, resolved.placed(model))
+    opt = build.make_optimizer(model, resolved.placed(model))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
     states = run_states(model, opt, sched, None, build.batches(cfg, corpus, ENV), lr=cfg.optim.lr, device=ENV.device)
     return states, cfg, model, opt, sched
