@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer import console
 from trainer.distributed.env import every_rank
 from trainer.io import atomic_write_text
 from trainer.step import TrainingError
@@ -456,7 +457,7 @@ class Checkpointer:
         step, tokens = self.restore(start.resume, start.headline()) if start.resume else (0, 0)
         if self.env.is_main:
             if start.resume is None and (line := start.fresh_line(self.root.parent)):
-                print(line, flush=True)
+                console.info(line)
             rundir.record_start(self.root.parent, start, step, self.resumed, self.env.world_size)
         return step, tokens
 
@@ -498,12 +499,12 @@ class Checkpointer:
         cached = (self.cfg.compile.enabled or self.cfg.compile.autograd) and self._load_compile_cache()
         self.resumed = path
         if self.env.is_main:
-            print(headline.format(path=path, step=meta["step"]), flush=True)
+            console.info(headline.format(path=path, step=meta["step"]))
             if cached:
-                print("loaded the compile cache saved with the checkpoints", flush=True)
+                console.info("loaded the compile cache saved with the checkpoints")
             for line in changes:
                 if not line.startswith(("run.", "model.kwargs")):
-                    print(f"  changed on resume: {line}", flush=True)
+                    console.info(f"  changed on resume: {line}")
         return int(meta["step"]), int(meta.get("tokens_seen", 0))
 
     def _load_compile_cache(self) -> bool:

@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from trainer import console
+
 EXIT_USER_ERROR = 2
 EXIT_TRAINING_FAILED = 1
 
@@ -147,7 +149,7 @@ def _main(argv: list[str] | None) -> int:
         _user_error(e)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        console.error("\ninterrupted")
         return 130
 
 
@@ -167,17 +169,17 @@ def _run(args) -> int:
             args.overrides.insert(0, args.config)  # `trainer print-config optim.lr=1` (defaults + overrides)
             args.config = None
         cfg = load_config(args.config, args.overrides)
-        sys.stdout.write(to_yaml(cfg, with_help=not args.no_help))
+        console.info(to_yaml(cfg, with_help=not args.no_help).rstrip("\n"))
         return 0
     if args.command == "configs":
         from trainer.shipped import format_configs
 
-        print(format_configs())
+        console.info(format_configs())
         return 0
     if args.command == "plot":
         from trainer.plot import plot_runs
 
-        print(plot_runs(args.runs, args.out))
+        console.info(str(plot_runs(args.runs, args.out)))
         return 0
     if args.command == "export":
         return _export(args.run_dir, args.out_dir)
@@ -220,18 +222,17 @@ def _run(args) -> int:
 
             await_launcher(terminated=getattr(e, "terminated", False))
         return EXIT_TRAINING_FAILED
-    if os.environ.get("RANK", "0") == "0":
-        _print_summary(summary)
+    _print_summary(summary)
     return 0
 
 
 def _config_file(config: str) -> str:
-    """The file ``trainer fit CONFIG`` reads; rank 0 says so where a shipped config stands in for ``CONFIG``."""
+    """The file ``trainer fit CONFIG`` reads; says so where a shipped config stands in for ``CONFIG``."""
     from trainer.shipped import find_config
 
     path, shipped = find_config(config)
-    if shipped and os.environ.get("RANK", "0") == "0":
-        print(f"config: {path}, shipped with trainer (no {config} in the working directory)", flush=True)
+    if shipped:
+        console.info(f"config: {path}, shipped with trainer (no {config} in the working directory)")
     return str(path)
 
 
@@ -258,32 +259,34 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     trainer = Trainer(cfg)
     with dumping as files:
         trainer.fit()
-    if os.environ.get("RANK", "0") != "0":  # rank 0 alone writes the report (each rank has its own scratch dir)
+    if console.rank() != 0:  # rank 0 alone writes the report (each rank has its own scratch dir)
         return 0
     report = json.loads((Path(scratch) / "compile_report.json").read_text())
-    print(format_text(report, verbose))
+    console.info(format_text(report, verbose))
     plan = json.loads((Path(scratch) / "plan.json").read_text())
-    print("plan: what each auto became (the run directory's plan.json)" if plan["choices"] else "plan: no auto")
+    console.info("plan: what each auto became (the run directory's plan.json)" if plan["choices"] else "plan: no auto")
     for line in plan["choices"]:
-        print(f"  {line}")
+        console.info(f"  {line}")
     strategy = cfg.distributed.strategy
     if strategy in ("ddp", "fsdp") and "WORLD_SIZE" not in os.environ:
-        print(f"distributed.strategy={strategy}: the plan each rank would follow under torchrun (this single process "
-              "communicated nothing)")  # fmt: skip
+        console.info(
+            f"distributed.strategy={strategy}: the plan each rank would follow under torchrun (this single process "
+            "communicated nothing)"
+        )
     if strategy == "ddp":
         from trainer.build import ddp_plan_report
 
-        print(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
+        console.info(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
     elif strategy == "fsdp":
         from trainer.build import fsdp_units_report
 
-        print(fsdp_units_report(trainer.raw_model, cfg))
+        console.info(fsdp_units_report(trainer.raw_model, cfg))
     else:
-        print("No bucket plan: distributed.strategy=none (add distributed.strategy=ddp or fsdp to see its plan)")
+        console.info("No bucket plan: distributed.strategy=none (add distributed.strategy=ddp or fsdp to see its plan)")
     if dump_dir:
-        print(f"generated code: {len(files)} file(s) in {dump_dir}")
+        console.info(f"generated code: {len(files)} file(s) in {dump_dir}")
         for f in files:
-            print(f"  {f}")
+            console.info(f"  {f}")
     return 0
 
 
@@ -327,7 +330,7 @@ def _export(run_dir: str, out_dir: str) -> int:
     meta = checkpoint.load_model_weights(path, model)
     save_pretrained(model, out, source=m.hf)
     shutil.copy2(config, out / "trainer_config.yaml")
-    print(f"exported {path} (step {meta.get('step')}) to {out}")
+    console.info(f"exported {path} (step {meta.get('step')}) to {out}")
     return 0
 
 
@@ -337,7 +340,7 @@ def _print_summary(s: dict) -> None:
     fields = [("steps", "done: {} steps"), ("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"),
               ("mean_tokens_per_s", "{:,.0f} tok/s"), ("first_step_s", "first step {:.1f} s"),
               ("peak_mem_gb", "peak mem {:.2f} GB"), ("checkpoint", "checkpoint {}")]  # fmt: skip
-    print(format_fields(s, fields), flush=True)
+    console.info(format_fields(s, fields))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from trainer import console
 from trainer.distributed.env import DistEnv, every_rank, restart_warning
 from trainer.io import pid_alive
 
@@ -60,10 +61,6 @@ class RunDirError(ValueError):
     def __init__(self, message: str, *, all_ranks: bool = False):
         super().__init__(message)
         self.all_ranks = all_ranks
-
-
-def _note(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -110,7 +107,7 @@ def torchrun_restart() -> tuple[int | None, int | None]:
 
 @contextlib.contextmanager
 def claim(run_dir: Path, *, resume: str | None, overwrite: bool, env: DistEnv,
-          say: Callable[[str], None] = _note) -> Iterator[Start]:  # fmt: skip
+          say: Callable[[str], None] = console.warn) -> Iterator[Start]:  # fmt: skip
     """Hold ``run_dir`` for the run inside the ``with``: refuse it if it holds another run (unless ``resume``, or
     ``overwrite``: then move that run aside), lock it against a second live run, unlock on the way out. Yields how
     the run starts (``resume=auto`` decided: see the module's docstring).

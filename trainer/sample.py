@@ -14,13 +14,12 @@ stdout holds the prompt and its continuation, then a newline; stderr a one-line 
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from trainer import checkpoint
+from trainer import checkpoint, console
 from trainer.distributed.env import resolve_device
 
 
@@ -40,14 +39,14 @@ def main(args) -> int:
     meta = checkpoint.load_model_weights(path, model)
     model.to(device).eval()
     context = codec.encode(args.prompt) if args.prompt else _start(codec)
-    print(f"sampling {args.tokens} tokens from {path} (step {meta.get('step')})", file=sys.stderr, flush=True)
+    console.info(f"sampling {args.tokens} tokens from {path} (step {meta.get('step')})", stderr=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     new = generate(model, context, args.tokens, context_len=cfg.data.seq_len, vocab_size=codec.vocab_size,
                    temperature=args.temperature, top_k=args.top_k, generator=generator)  # fmt: skip
     if codec.eos_id is not None and codec.eos_id in new:
         new = new[: new.index(codec.eos_id)]
-        print(f"stopped at the end-of-text token after {len(new)} tokens", file=sys.stderr)
-    print(args.prompt + continuation(codec, context, new), flush=True)
+        console.info(f"stopped at the end-of-text token after {len(new)} tokens", stderr=True)
+    console.info(args.prompt + continuation(codec, context, new))
     return 0
 
 

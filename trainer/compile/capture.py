@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from trainer import console
+
 # Inductor options the trainer sets unless compile.inductor_options says otherwise; each one measured. Options
 # passed this way win over torch._inductor.config and its TORCHINDUCTOR_* environment variables.
 DEFAULT_INDUCTOR_OPTIONS = {
@@ -210,7 +212,7 @@ class LossOnly(nn.Module):
         return loss_of(self.model(idx, targets))
 
 
-def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module, cfg, say=None, backend=None, hooks_outside: bool = False) -> nn.Module:
     """Compile ``model`` as ``cfg`` (the ``compile`` config section) says; returns the module to call.
 
     ``hooks_outside`` (``scope: blocks`` only) compiles each block's ``forward`` instead of its
@@ -220,8 +222,10 @@ def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside:
 
     With ``scope: model`` the returned module is the ``torch.compile`` wrapper of :class:`LossOnly` around the
     model (which returns the loss alone); with ``scope: blocks`` the model itself, its blocks compiled in place and,
-    with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph.
+    with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph. ``say`` gets the line
+    for an option that cannot take effect (default: :func:`trainer.console.info`).
     """
+    say = say or console.info
     kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options),
                             enabled_kernels(cfg))  # fmt: skip
     if backend is not None:

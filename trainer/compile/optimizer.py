@@ -40,7 +40,9 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from trainer import console
+
+log = logging.getLogger(__name__)  # debugging detail; what the user should know goes through trainer.console
 
 # Keys of each torch optimizer that become device tensors, found by compiling each optimizer with
 # each candidate key as a tensor (torch 2.13): the others either break the graph (SGD momentum,
@@ -88,7 +90,7 @@ _instances = itertools.count()
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        log.warning(message)
+        console.warn(message)
 
 
 def _why_eager(opt: torch.optim.Optimizer) -> str | None:
@@ -529,7 +531,7 @@ def build_optimizer(
         opt.before_graph_replay = opt.after_graph_replay = None  # torch's: made capturable for a graph instead
     opt.clips_grad_norm = resolved == "triton" and max_grad_norm > 0
     opt.impl = resolved
-    log.info("optimizer: %s (%s) on %s, clips grad norm itself: %s", name, resolved, device, opt.clips_grad_norm)
+    log.debug("optimizer: %s (%s) on %s, clips grad norm itself: %s", name, resolved, device, opt.clips_grad_norm)
     return opt
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -48,9 +47,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _unflatten_dense_tensors
 
+from trainer import console
 from trainer.distributed.buckets import BucketPlan
-
-log = logging.getLogger(__name__)
 
 
 class DataParallel(nn.Module):
@@ -235,11 +233,11 @@ class DataParallel(nn.Module):
         missing = [n for n, p in zip(bucket.names, bucket.params) if p.grad is None]
         if missing and bucket.index not in self._warned_late:  # complete buckets queued behind it say nothing
             self._warned_late.add(bucket.index)
-            log.warning(
-                "bucket %d: %d parameter(s) got no gradient this step (%s); the bucket is reduced after the "
-                "backward, without overlap",
-                bucket.index, len(missing), ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""),
-            )  # fmt: skip
+            names = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+            console.warn(
+                f"bucket {bucket.index}: {len(missing)} parameter(s) got no gradient this step ({names}); the bucket "
+                "is reduced after the backward, without overlap"
+            )
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -308,7 +306,7 @@ class PlanSplitter:
         order = [b for piece in pieces for b in piece]
         if any(len(p) > 1 for p in pieces) or order != sorted(order, reverse=True):
             if not self.misaligned:
-                log.warning("graph pieces do not follow the bucket plan (%s); overlap may suffer", pieces)
+                console.warn(f"graph pieces do not follow the bucket plan ({pieces}); overlap may suffer")
             self.misaligned = True
         self.pieces.append(pieces)
         if len(starts) <= 1:
