@@ -232,10 +232,12 @@ def describe_run(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_ste
     cost = cpu_cost(cfg, model) if device.type == "cpu" else None
     fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if plan.precision == "fp8" else ""
     precision = fp8 + precision_name(plan.autocast)
-    return (f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
-            f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}{ranks}, {precision}; "
-            f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}"
-            + (f"\n[yellow]{cost}[/yellow]" if cost else ""))  # fmt: skip
+    return (
+        f"trainer {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
+        f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}{ranks}, {precision}; "
+        f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}"
+        + (f"\n{cost}" if cost else "")
+    )
 
 
 def cpu_cost(cfg: Config, model: nn.Module, quiet_below_s: float = 600) -> str | None:
@@ -341,7 +343,7 @@ def build_optimizer(model: nn.Module, plan: plan_rules.Plan) -> torch.optim.Opti
     With ``distributed.shard_optimizer`` under torchrun and ddp, a
     :class:`~trainer.distributed.zero.ShardedOptimizer`: it moves the parameters into the bucket plan's flat buffers
     (build it before :func:`wrap`, which reduces over its plan) and keeps this rank's shard of the state, in torch's
-    optimizer (``auto``: fused on CUDA; ours re-lays parameters out in buffers of its own).
+    optimizer (``auto``: fused on CUDA; ``triton`` re-lays parameters out in buffers of its own).
     """
     from trainer.compile import optimizer
 

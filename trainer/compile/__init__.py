@@ -1,4 +1,4 @@
-"""The compile layer: capture, compiled autograd, the compiled optimizer and our Triton kernels.
+"""The compile layer: capture, compiled autograd, the compiled optimizer and trainer's Triton kernels.
 
 ``compile_optimizer`` works on its own, in any training loop::
 

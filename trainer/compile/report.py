@@ -434,7 +434,7 @@ class CompileWatcher:
             "compile_time_s": {**phases, "total": round(sum(c["compile_time_s"] for c in self._compiles), 6)},
             "cache": {k: delta(g, k) for g, keys in CACHE_COUNTERS.items() for k in keys},
             "compiled_autograd_captures": delta("compiled_autograd", "captures"),
-            # Our kernels substituted into the graphs (trainer/compile/patterns.py), and the near-misses left alone.
+            # The kernels substituted into the graphs (trainer/compile/patterns.py), and the near-misses left alone.
             "kernels": LOG.report(),
             "kernel_near_misses": [{"name": n, "source": src, "reason": r} for n, src, r in LOG.near_misses],
             # Frames Dynamo gave up on (a break it cannot resume from, or an error suppressed): they run eagerly.

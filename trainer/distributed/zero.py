@@ -19,7 +19,7 @@ Per step:
 A segment is the part of one parameter inside this rank's range: a view of the flat buffer (at most one per
 parameter and rank) whose ``.grad`` is the matching slice of the gradient shard. The inner optimizer is an ordinary
 torch optimizer over the segments (elementwise updates: the same numbers as over whole parameters), each segment in
-its parameter's weight-decay group. Our Triton optimizers are refused (config): they move their parameters into flat
+its parameter's weight-decay group. The Triton optimizers are refused (config): they move their parameters into flat
 buffers of their own, and a segment must stay a view of its bucket's buffer. So are compiled autograd (the
 reduce-scatters are not traced into its graph), fp16's grad scaler (it unscales and checks whole gradients) and the
 graphed step (the optimizer keeps a float lr and is not made capturable).
@@ -399,7 +399,7 @@ def _hparams(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-# The implementation this run chose (optim.impl), kept when a checkpoint loads: a checkpoint of our Triton AdamW (the
+# The implementation this run chose (optim.impl), kept when a checkpoint loads: a checkpoint of the Triton AdamW (the
 # unsharded default on CUDA) says fused=None, which would turn the inner torch AdamW from fused to foreach.
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 

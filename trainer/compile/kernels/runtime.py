@@ -1,4 +1,4 @@
-"""Where our Triton kernels run and what they compute in: the helpers every kernel module shares.
+"""Where trainer's Triton kernels run and what they compute in: the helpers every kernel module shares.
 
 The kernels are layered; a module imports only from the layers above its own:
 
@@ -45,7 +45,7 @@ def triton_can_run(device: torch.device, kernel: Any) -> bool:
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype our ops compute in for ``x``: the autocast dtype while autocast is on for x's device type, else
+    """The dtype trainer's ops compute in for ``x``: the autocast dtype while autocast is on for x's device type, else
     x's own (what the matmul that follows would read)."""
     device_type = x.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
