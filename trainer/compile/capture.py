@@ -21,10 +21,8 @@ from trainer import console
 # passed this way win over torch._inductor.config and its TORCHINDUCTOR_* environment variables.
 DEFAULT_INDUCTOR_OPTIONS = {
     # Off: Inductor's "mix-order" reduction (torch >= 2.10) fuses each LayerNorm's weight/bias gradient reduction
-    # into the input-gradient kernel plus a small per-column reduction kernel; on gpt2-small (B=16, T=1024, bf16,
-    # graphed step) on an H100 the step ran at 483K tokens/s without it and 476K with it, and in a second run 480K
-    # and 475K. With the
-    # LayerNorms on our kernels, two rounds: 503K/502K with it, 505K/503K without (docs/performance.md).
+    # into the input-gradient kernel plus a small per-column reduction kernel; the whole step is no faster with it,
+    # with Inductor's LayerNorms or with trainer's add_layer_norm (docs/performance.md, "Tried and not kept").
     "triton.mix_order_reduction": False,
 }
 
@@ -101,12 +99,12 @@ KERNEL_OPS = ("add_layer_norm", "add_layer_norm_backward", "add_rms_norm", "add_
 
 
 def register_kernel_fallbacks() -> list[str]:
-    """Register our ops with Inductor as fallback kernels up front, the way Inductor registers an op it has no
+    """Register trainer ops with Inductor as fallback kernels up front, the way Inductor registers an op it has no
     lowering for the first time it meets it (an "implicit fallback": same layout constraint); returns the names
     registered now.
 
     Why: torch 2.11 writes the op's arguments into a log message when it creates an implicit fallback, whether
-    or not the message is logged, and the text of an argument doubles with every one of our ops it depends on
+    or not the message is logged, and the text of an argument doubles with every ``trainer::`` op it depends on
     (each printed with all of its inputs). The gpt2-small loss op, first met after 25 add_layer_norm ops, kept
     the forward's compile busy for minutes on an H100 (a 2-layer model compiled in 17 s). torch 2.13 formats
     the message lazily. Where Inductor's internals moved, nothing is registered and Inductor does it itself.
@@ -141,7 +139,7 @@ def compile_kwargs(
 ) -> dict:
     """``torch.compile``'s keyword arguments; with Inductor, ``mode`` goes in as its options (:func:`inductor_options`),
     so the trainer's defaults and the user's options combine with any mode. With ``kernels`` (names of
-    :data:`trainer.config.KERNEL_NAMES`), the backend is :func:`inner_backend`: our kernels substituted first."""
+    :data:`trainer.config.KERNEL_NAMES`), the backend is :func:`inner_backend`: trainer's kernels substituted first."""
     kwargs = dict(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if backend != "inductor":
         if mode != "default":

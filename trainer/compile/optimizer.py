@@ -25,7 +25,7 @@ and state and runs a ``torch.compile``-d copy of its step. What it does that a b
 
 Compile time grows with the number of parameter tensors (tens of seconds for GPT-2's 148 on
 Inductor): for CUDA training, ``build_optimizer(impl="triton")`` (what ``auto`` picks there for Adam(W))
-avoids it with our Triton kernels: no compile, one launch for the whole step.
+avoids it with trainer's Triton kernels: no compile, one launch for the whole step.
 """
 
 from __future__ import annotations
@@ -416,13 +416,12 @@ def resolve_impl(
 ) -> str:
     """The implementation ``impl='auto'`` stands for on ``device`` (other values pass through).
 
-    CUDA, Adam(W): ours, ``triton`` (gradients read where autograd left them, clipping inside the step),
-    the fastest measured for a whole training step: gpt2-small B=16 T=1024 bf16, graphed, H100: 485K
-    tok/s against 480K with torch's ``fused`` (the step alone with clipping: 1.38 ms vs 1.78 ms); 2 H200s,
-    ddp: 490K vs 484K tok/s per GPU (docs/performance.md).
+    CUDA, Adam(W): ``triton`` (gradients read where autograd left them, clipping inside the step),
+    the fastest measured for a whole training step, on one GPU and under ddp, ahead of torch's ``fused``
+    (docs/performance.md, "The optimizer step").
     Not for ``sharded`` parameters (FSDP's DTensors: ``triton`` updates their shards in place, but is not
     measured against torch's ``fused`` there) or ``scaled`` gradients (fp16's grad scaler, not measured with
-    ours), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused`` there. Elsewhere:
+    them), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused`` there. Elsewhere:
     ``foreach``.
     """
     if impl not in IMPLS:
@@ -472,7 +471,7 @@ def build_optimizer(
         name: ``adamw`` | ``adam`` (L2 weight decay) | ``sgd`` (momentum, L2 weight decay).
         impl: ``auto`` (see :func:`resolve_impl`), ``eager`` (torch, per-tensor loop), ``foreach``
             (torch, multi-tensor), ``fused`` (torch, fused kernel), ``compiled``
-            (:func:`compile_optimizer` on the foreach optimizer, Inductor) or ``triton`` (ours).
+            (:func:`compile_optimizer` on the foreach optimizer, Inductor) or ``triton`` (trainer's Triton kernels).
         lr: Learning rate.
         betas: Adam betas.
         eps: Adam epsilon.
