@@ -109,10 +109,21 @@ def build_model_of(cfg: Config, vocab_size: int, pretrained: bool) -> nn.Module:
 
     m = cfg.model
     return build_model(
-        preset=m.preset, vocab_size=vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-        n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=m.attention, target=m.target,
-        kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=pretrained,
-    )  # fmt: skip
+        preset=m.preset,
+        vocab_size=vocab_size,
+        seq_len=cfg.data.seq_len,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        dropout=m.dropout,
+        bias=m.bias,
+        attention=m.attention,
+        target=m.target,
+        kwargs=dict(m.kwargs),
+        hf=m.hf,
+        hf_overrides=dict(m.hf_overrides),
+        pretrained=pretrained,
+    )
 
 
 def fp8_all_gather(plan: plan_rules.Plan) -> bool:
@@ -152,8 +163,14 @@ def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int) -> nn.Module
     if fit.problems:
         kinds = {kind for kind, _ in fit.problems}
         ways = ["lower data.seq_len, or give the model more positions (" + resize + ")"] if kinds - {"tokens"} else []
-        ways += [f"use data tokenized for this model, or give it a vocabulary of at least {vocab_size} tokens "
-                 f"({resize}.vocab_size)"] if "tokens" in kinds else []  # fmt: skip
+        ways += (
+            [
+                f"use data tokenized for this model, or give it a vocabulary of at least {vocab_size} tokens "
+                f"({resize}.vocab_size)"
+            ]
+            if "tokens" in kinds
+            else []
+        )
         lines = "; ".join(line for _, line in fit.problems)
         raise ValueError(f"{source} does not fit the data: {lines}. To fix: {'; '.join(ways)}")
     rows = fit.token_table
@@ -171,8 +188,16 @@ def batches(cfg: Config, corpus, env):
     from trainer.data import Batches
 
     t = cfg.train
-    return Batches(corpus, seq_len=cfg.data.seq_len, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                   rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=env.device)  # fmt: skip
+    return Batches(
+        corpus,
+        seq_len=cfg.data.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        grad_accum=t.grad_accum,
+        rank=env.rank,
+        world_size=env.world_size,
+        seed=cfg.seed,
+        device=env.device,
+    )
 
 
 def backward_context(cfg: Config):
@@ -184,8 +209,9 @@ def backward_context(cfg: Config):
     c = cfg.compile
     mode = c.mode if c.backend == "inductor" else None
     options = dict(c.inductor_options) or None
-    return lambda: compiled_autograd(c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph,
-                                     options=options)  # fmt: skip
+    return lambda: compiled_autograd(
+        c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph, options=options
+    )
 
 
 def eager_fallback(raw_model: nn.Module, plan: plan_rules.Plan, env, opt=None):
@@ -227,8 +253,14 @@ def describe_run(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_ste
     n_params = sum(p.numel() for p in model.parameters())
     ranks = f" x{strategy.world} ({strategy})" if strategy.world > 1 else ""
     attention = attention_of(model)
-    eager = (f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
-             "transformers: slower, and it keeps the attention matrix)") if attention == "eager" else ""  # fmt: skip
+    eager = (
+        (
+            f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
+            "transformers: slower, and it keeps the attention matrix)"
+        )
+        if attention == "eager"
+        else ""
+    )
     cost = cpu_cost(cfg, model) if device.type == "cpu" else None
     fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if plan.precision == "fp8" else ""
     precision = fp8 + precision_name(plan.autocast)
@@ -271,10 +303,12 @@ def cpu_cost(cfg: Config, model: nn.Module, quiet_below_s: float = 600) -> str |
     if total < quiet_below_s:
         return None
     took = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
-    return (f"on the CPU one step is {step_flops / 1e12:.2f} TFLOP: about {step_s:.0f} s at the {rate / 1e9:.0f} "
-            f"GFLOP/s a matmul reaches here, and one evaluation ({t.eval_batches} batches) about {eval_s:.0f} s; "
-            f"{t.steps} steps and {evals} evaluations take about {took}. This config is sized for a GPU; "
-            "configs/tiny.yaml trains on a CPU in about a minute")  # fmt: skip
+    return (
+        f"on the CPU one step is {step_flops / 1e12:.2f} TFLOP: about {step_s:.0f} s at the {rate / 1e9:.0f} "
+        f"GFLOP/s a matmul reaches here, and one evaluation ({t.eval_batches} batches) about {eval_s:.0f} s; "
+        f"{t.steps} steps and {evals} evaluations take about {took}. This config is sized for a GPU; "
+        "configs/tiny.yaml trains on a CPU in about a minute"
+    )
 
 
 def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_rules.Plan, env):
@@ -284,11 +318,20 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
 
     cfg = plan.cfg
     return TrainStep(
-        model, raw_model, opt, grad_accum=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, scaler=scaler,
-        amp_dtype=plan.autocast, env=env, graphed=cfg.compile.cudagraphs,
-        skip_non_finite=cfg.train.on_nan == "skip", backward_ctx=backward_context(cfg),
-        fallback=eager_fallback(raw_model, plan, env, opt=opt), sync=sync.of(model, plan),
-    )  # fmt: skip
+        model,
+        raw_model,
+        opt,
+        grad_accum=cfg.train.grad_accum,
+        grad_clip=cfg.optim.grad_clip,
+        scaler=scaler,
+        amp_dtype=plan.autocast,
+        env=env,
+        graphed=cfg.compile.cudagraphs,
+        skip_non_finite=cfg.train.on_nan == "skip",
+        backward_ctx=backward_context(cfg),
+        fallback=eager_fallback(raw_model, plan, env, opt=opt),
+        sync=sync.of(model, plan),
+    )
 
 
 def compile_watcher(cfg: Config, model: nn.Module | None = None):
@@ -348,15 +391,23 @@ def build_optimizer(model: nn.Module, plan: plan_rules.Plan) -> torch.optim.Opti
     from trainer.compile import optimizer
 
     o = plan.cfg.optim
-    kwargs = dict(name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                  momentum=o.momentum, device=plan.device)  # fmt: skip
+    kwargs = dict(
+        name=o.name,
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        momentum=o.momentum,
+        device=plan.device,
+    )
     groups = param_groups(model, o.weight_decay)
     if plan.strategy.zero:
         from trainer.distributed import zero
 
         buckets = plan.layout_of(model)
-        inner = lambda segment_groups: optimizer.build_optimizer(segment_groups, impl=plan.optim_impl,
-                                                                 max_grad_norm=0.0, **kwargs)  # fmt: skip
+        inner = lambda segment_groups: optimizer.build_optimizer(
+            segment_groups, impl=plan.optim_impl, max_grad_norm=0.0, **kwargs
+        )
         return zero.ShardedOptimizer(groups, buckets, inner, max_grad_norm=o.grad_clip)
     opt = optimizer.build_optimizer(
         groups,

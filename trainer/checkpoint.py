@@ -245,8 +245,11 @@ def _stop_if_failed(failures: list, step: int, ckpt_root: Path, partial: Path | 
     message, code, rank = failed[0]
     message += f" (rank {rank})" if len(failures) > 1 else ""
     pointer = ckpt_root / LAST
-    kept = (f"the last checkpoint is still {ckpt_root / pointer.read_text().strip()} (resume=last continues from it)"
-            if pointer.is_file() else "no checkpoint was saved before this one")  # fmt: skip
+    kept = (
+        f"the last checkpoint is still {ckpt_root / pointer.read_text().strip()} (resume=last continues from it)"
+        if pointer.is_file()
+        else "no checkpoint was saved before this one"
+    )
     fix = "Free disk space (or set run.dir on another disk)" if code == errno.ENOSPC else "Fix the cause"
     raise CheckpointWriteError(
         f"cannot save the checkpoint of step {step}: {message}. Stopped; {kept}. {fix}, then resume.",
@@ -432,20 +435,33 @@ class Checkpointer:
             optim_state["optimizer"] = plain_lrs(self.opt.state_dict())  # a graphed step keeps lr in a tensor
         if self.scaler is not None:
             optim_state["scaler"] = self.scaler.state_dict()
-        meta = {"step": step, "tokens_seen": tokens_seen, "sampler": self.batches.state_dict(next_step=step),
-                "world_size": env.world_size, "config": to_dict(self.cfg)}  # fmt: skip
+        meta = {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "sampler": self.batches.state_dict(next_step=step),
+            "world_size": env.world_size,
+            "config": to_dict(self.cfg),
+        }
         write_main = None
         if self.cfg.compile.enabled or self.cfg.compile.autograd:
             from trainer.compile import cache
 
             write_main = functools.partial(cache.save_artifacts, self.root)
         self.last = save(
-            self.root, step=step, model_state=None if sharded else self.model.state_dict(), optim_state=optim_state,
-            meta=meta, rng=rng_state(env.device), rank=env.rank, is_main=env.is_main, keep=self.cfg.checkpoint.keep,
+            self.root,
+            step=step,
+            model_state=None if sharded else self.model.state_dict(),
+            optim_state=optim_state,
+            meta=meta,
+            rng=rng_state(env.device),
+            rank=env.rank,
+            is_main=env.is_main,
+            keep=self.cfg.checkpoint.keep,
             barrier=torch.distributed.barrier if env.distributed else (lambda: None),
-            gather=functools.partial(every_rank, env=env), write_main=write_main,
+            gather=functools.partial(every_rank, env=env),
+            write_main=write_main,
             write_shards=(lambda path: save_dcp(path, self.model, self.opt)) if sharded else None,
-        )  # fmt: skip
+        )
         return self.last
 
     def begin(self, start) -> tuple[int, int]:
@@ -476,8 +492,10 @@ class Checkpointer:
         meta = state["meta"]
         changes = compare_configs(meta.get("config", {}), to_dict(self.cfg), path)
         if is_sharded(self.model) and state["dcp"] is None:
-            raise CheckpointError(f"checkpoint {path} was written without fsdp (whole tensors in model.pt); resume "
-                                  "it with distributed.strategy=ddp or none")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint {path} was written without fsdp (whole tensors in model.pt); resume "
+                "it with distributed.strategy=ddp or none"
+            )
         try:
             if state["dcp"] is not None:  # written under FSDP: resharded to this run's world size by DCP
                 load_dcp(state["dcp"], self.model, self.opt)

@@ -55,8 +55,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    over = ("key=value overrides (later wins), e.g. optim.lr=3e-4; resume=last|PATH resumes, resume=auto resumes "
-            "if there is a checkpoint (fit only)")  # fmt: skip
+    over = (
+        "key=value overrides (later wins), e.g. optim.lr=3e-4; resume=last|PATH resumes, resume=auto resumes "
+        "if there is a checkpoint (fit only)"
+    )
     f = sub.add_parser("fit", help="train from a config")
     f.add_argument("config", help=CONFIG_HELP)
     f.add_argument("overrides", nargs="*", help=over)
@@ -71,11 +73,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
     e.add_argument("--dump-code", metavar="DIR", help="write the code Inductor generated, per graph, into DIR")
     e.add_argument("--verbose", action="store_true", help="also list the kernel patterns nearly matched, and why not")
-    e.add_argument("--memory", action="store_true",
-                   help="predict the peak memory per rank, by part, from short runs of each checkpointing mode, and "
-                   "the largest micro-batch that fits")  # fmt: skip
-    t = sub.add_parser("tune", help="find the fastest micro-batch, checkpointing, bucket size and precision by "
-                       "measurement; writes CONFIG.tuned.yaml")  # fmt: skip
+    e.add_argument(
+        "--memory",
+        action="store_true",
+        help="predict the peak memory per rank, by part, from short runs of each checkpointing mode, and "
+        "the largest micro-batch that fits",
+    )
+    t = sub.add_parser(
+        "tune",
+        help="find the fastest micro-batch, checkpointing, bucket size and precision by "
+        "measurement; writes CONFIG.tuned.yaml",
+    )
     t.add_argument("config", help=CONFIG_HELP)
     t.add_argument("overrides", nargs="*", help="key=value overrides, applied before the search")
     t.add_argument("--budget-s", type=float, default=600.0, help="wall-clock seconds to spend (default 600)")
@@ -83,12 +91,20 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (holding metrics.jsonl)")
     pl.add_argument("-o", "--out", help="PNG path (default: <first run>/plot.png)")
     pr = sub.add_parser("prepare", help="tokenize text into a data directory (train.bin, val.bin, meta.json)")
-    pr.add_argument("sources", nargs="*", metavar="SOURCE",
-                    help="text files, directories of them, .jsonl, .parquet, or hf:NAME (a Hugging Face dataset); "
-                    "none: the embedded corpus")  # fmt: skip
-    pr.add_argument("--tokenizer", default="bpe:8192", metavar="TOK",
-                    help="a tokenizer.json or Hugging Face model directory, tiktoken:NAME (gpt2, cl100k_base, "
-                    "o200k_base), or bpe:N: an N-token BPE trained on the sources (default bpe:8192)")  # fmt: skip
+    pr.add_argument(
+        "sources",
+        nargs="*",
+        metavar="SOURCE",
+        help="text files, directories of them, .jsonl, .parquet, or hf:NAME (a Hugging Face dataset); "
+        "none: the embedded corpus",
+    )
+    pr.add_argument(
+        "--tokenizer",
+        default="bpe:8192",
+        metavar="TOK",
+        help="a tokenizer.json or Hugging Face model directory, tiktoken:NAME (gpt2, cl100k_base, "
+        "o200k_base), or bpe:N: an N-token BPE trained on the sources (default bpe:8192)",
+    )
     pr.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     pr.add_argument("--field", default="text", help="the text field of .jsonl, .parquet and datasets (default text)")
     pr.add_argument("--val-fraction", type=float, default=0.05, help="documents held out for val.bin (default 0.05)")
@@ -251,8 +267,14 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     if steps <= 0:
         raise ValueError(f"--steps: expected a positive number, got {steps}")
     scratch = tempfile.mkdtemp(prefix="trainer-explain-")
-    forced = ["compile.enabled=true", f"train.steps={steps}", "train.eval_every=0", "checkpoint.enabled=false",
-              "log.progress=false", f"run.dir={scratch}"]  # fmt: skip
+    forced = [
+        "compile.enabled=true",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "checkpoint.enabled=false",
+        "log.progress=false",
+        f"run.dir={scratch}",
+    ]
     cfg = load_config(config, [*overrides, *forced])
     cfg.compile.cache_dir = cfg.compile.cache_dir or str(Path(scratch) / "compile_cache")
     dumping = dump_code(dump_dir) if dump_dir else contextlib.nullcontext([])
@@ -308,8 +330,9 @@ def _export(run_dir: str, out_dir: str) -> int:
     cfg = load_config(config)
     if cfg.model.hf is None:
         model = f"model.target {cfg.model.target}" if cfg.model.target else f"the built-in GPT ({cfg.model.preset})"
-        raise ValueError(f"export: {run} trained {model}; export writes a Hugging Face model and needs a run of a "
-                         "model.hf model")  # fmt: skip
+        raise ValueError(
+            f"export: {run} trained {model}; export writes a Hugging Face model and needs a run of a model.hf model"
+        )
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: OUT_DIR {out} is a file; expected a directory to write")
     if out.resolve() == run.resolve():
@@ -337,9 +360,15 @@ def _export(run_dir: str, out_dir: str) -> int:
 def _print_summary(s: dict) -> None:
     from trainer.metrics import format_fields
 
-    fields = [("steps", "done: {} steps"), ("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"),
-              ("mean_tokens_per_s", "{:,.0f} tok/s"), ("first_step_s", "first step {:.1f} s"),
-              ("peak_mem_gb", "peak mem {:.2f} GB"), ("checkpoint", "checkpoint {}")]  # fmt: skip
+    fields = [
+        ("steps", "done: {} steps"),
+        ("loss", "loss {:.4f}"),
+        ("val_loss", "val_loss {:.4f}"),
+        ("mean_tokens_per_s", "{:,.0f} tok/s"),
+        ("first_step_s", "first step {:.1f} s"),
+        ("peak_mem_gb", "peak mem {:.2f} GB"),
+        ("checkpoint", "checkpoint {}"),
+    ]
     console.info(format_fields(s, fields))
 
 

@@ -28,8 +28,18 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.schema import Config, ConfigError
 from trainer.shipped import find_config
 
-__all__ = ["Config", "ConfigError", "load_config", "validate", "to_dict", "to_yaml", "reference_markdown",
-           "field_help", "iter_fields", "get"]  # fmt: skip
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "validate",
+    "to_dict",
+    "to_yaml",
+    "reference_markdown",
+    "field_help",
+    "iter_fields",
+    "get",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Schema introspection: field help and the set of valid keys.

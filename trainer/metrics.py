@@ -261,8 +261,10 @@ def copy_to_host(*values):
 
     present = [v for v in values if isinstance(v, torch.Tensor)]
     if not present or present[0].device.type != "cuda":  # read now: a buffer may be reused by the next step
-        got = [value(v, iter(v.detach().float().reshape(-1).tolist()) if isinstance(v, torch.Tensor) else None)
-               for v in values]  # fmt: skip
+        got = [
+            value(v, iter(v.detach().float().reshape(-1).tolist()) if isinstance(v, torch.Tensor) else None)
+            for v in values
+        ]
         return lambda: got
     flat = torch.cat([v.detach().float().reshape(-1) for v in present])
     host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
@@ -306,9 +308,20 @@ class StepLog:
             not finite, under torchrun).
     """
 
-    def __init__(self, metrics: Metrics, *, env, start_step: int, last_step: int, log_every: int,
-                 tokens_per_step: int, flops_per_token: float, peak_flops: float | None, compiled: bool,
-                 check: Callable[[int, float, bool, list[int] | None], None]):  # fmt: skip
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        env,
+        start_step: int,
+        last_step: int,
+        log_every: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        compiled: bool,
+        check: Callable[[int, float, bool, list[int] | None], None],
+    ):
         self.metrics, self.env, self.start_step, self.last_step = metrics, env, start_step, last_step
         self.log_every, self.tokens_per_step, self.compiled, self.check = log_every, tokens_per_step, compiled, check
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -354,8 +367,15 @@ class StepLog:
         if not (force or first or step % self.log_every == 0 or step == self.last_step):
             return None
         tps, step_time = self.timer.read()
-        record = {"step": step, "loss": loss, "lr": p["lr"], "grad_norm": grad_norm,
-                  "tokens_per_s": None if first else tps, "step_time": step_time, "tokens": p["tokens"]}  # fmt: skip
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": p["lr"],
+            "grad_norm": grad_norm,
+            "tokens_per_s": None if first else tps,
+            "step_time": step_time,
+            "tokens": p["tokens"],
+        }
         if first:
             record["first_step_s"] = step_time
         elif self.peak_flops is not None:
@@ -376,8 +396,13 @@ class StepLog:
 
     def summary(self, **extra) -> dict[str, Any]:
         """The run's summary: the last record's values, the timing over the run, ``extra``."""
-        out = {**self.last, "first_step_s": self.timer.first_step_s, "mean_tokens_per_s": self.timer.mean_tps,
-               "median_step_s": self.timer.median_step_s, **extra}  # fmt: skip
+        out = {
+            **self.last,
+            "first_step_s": self.timer.first_step_s,
+            "mean_tokens_per_s": self.timer.mean_tps,
+            "median_step_s": self.timer.median_step_s,
+            **extra,
+        }
         if self.env.device.type == "cuda":
             out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.env.device) / 1e9
         return out

@@ -542,9 +542,15 @@ def _progress():
     """A rich progress display on a terminal; nothing otherwise."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-               TextColumn("{task.fields[docs]:,} documents"), TextColumn("{task.fields[tokens]:,} tokens"),
-               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())  # fmt: skip
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[docs]:,} documents"),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, disable=not sys.stdout.isatty()) as progress:
         yield progress
 

@@ -93,8 +93,14 @@ def inductor_options(mode: str = "default", user: dict | None = None, dynamic: b
     return options
 
 
-KERNEL_OPS = ("add_layer_norm", "add_layer_norm_backward", "add_rms_norm", "add_rms_norm_backward",
-              "linear_cross_entropy", "linear_cross_entropy_saved")  # fmt: skip
+KERNEL_OPS = (
+    "add_layer_norm",
+    "add_layer_norm_backward",
+    "add_rms_norm",
+    "add_rms_norm_backward",
+    "linear_cross_entropy",
+    "linear_cross_entropy_saved",
+)
 """Our ``torch.library`` ops (``trainer::<name>``), for :func:`register_kernel_fallbacks`."""
 
 
@@ -224,8 +230,9 @@ def apply_compile(model: nn.Module, cfg, say=None, backend=None, hooks_outside: 
     for an option that cannot take effect (default: :func:`trainer.console.info`).
     """
     say = say or console.info
-    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options),
-                            enabled_kernels(cfg))  # fmt: skip
+    kwargs = compile_kwargs(
+        cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options), enabled_kernels(cfg)
+    )
     if backend is not None:
         kwargs.pop("options", None)  # the splitter applies them (and the kernels) to each piece
         kwargs["backend"] = backend

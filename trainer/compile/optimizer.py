@@ -514,9 +514,14 @@ def build_optimizer(
             # Gradients stay autograd's own tensors (read through an address table), not a flat buffer that
             # autograd would have to add into: see trainer/compile/kernels/grad_table.py.
             opt = TritonAdamW(
-                groups, lr=lr, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
-                decoupled_weight_decay=name == "adamw", flat_grads=False,
-            )  # fmt: skip
+                groups,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                max_grad_norm=max_grad_norm,
+                decoupled_weight_decay=name == "adamw",
+                flat_grads=False,
+            )
     else:
         flags = {"eager": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
         kwargs = flags.get(resolved, {"foreach": True})

@@ -149,8 +149,9 @@ def _loss(h, weight, targets, ignore_index, reduction, save_logit_grads):
     from trainer.compile.kernels.linear_cross_entropy import linear_cross_entropy
 
     h2 = h.reshape(-1, h.shape[-1])  # (N, C)
-    return linear_cross_entropy(h2, weight, targets.reshape(-1), ignore_index, reduction,
-                                save_logit_grads=save_logit_grads)  # fmt: skip
+    return linear_cross_entropy(
+        h2, weight, targets.reshape(-1), ignore_index, reduction, save_logit_grads=save_logit_grads
+    )
 
 
 # ---- graph helpers -------------------------------------------------------------------------------

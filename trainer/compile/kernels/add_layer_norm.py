@@ -233,11 +233,25 @@ def _fwd_op(
         block_cols = triton.next_power_of_2(n_cols)
         block_rows = _block_rows(n_cols, "fwd")
         _add_ln_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x, inc if inc is not None else x, inc_bias if inc_bias is not None else weight, weight,
-            bias if bias is not None else weight, s, y, mean, rstd, n_rows, n_cols, eps,
-            HAS_INC=inc is not None, HAS_INC_BIAS=inc_bias is not None, HAS_BIAS=bias is not None,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=_num_warps(block_rows, block_cols, "fwd"),
-        )  # fmt: skip
+            x,
+            inc if inc is not None else x,
+            inc_bias if inc_bias is not None else weight,
+            weight,
+            bias if bias is not None else weight,
+            s,
+            y,
+            mean,
+            rstd,
+            n_rows,
+            n_cols,
+            eps,
+            HAS_INC=inc is not None,
+            HAS_INC_BIAS=inc_bias is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+            num_warps=_num_warps(block_rows, block_cols, "fwd"),
+        )
     return s, y, mean, rstd
 
 
@@ -300,11 +314,25 @@ def _bwd_op(
     parts = (s.new_empty if n_rows else s.new_zeros)((n_sums, programs, n_cols), dtype=torch.float32)
     if n_rows:
         _add_ln_bwd_kernel[(programs,)](
-            dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dinc, parts,
-            n_rows, n_cols, rows_per_program, HAS_DS=ds is not None, HAS_DINC=inc_dtype is not None,
-            HAS_DIB=inc_bias_dtype is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+            dy,
+            ds if ds is not None else dy,
+            s,
+            weight,
+            mean,
+            rstd,
+            dx,
+            dinc,
+            parts,
+            n_rows,
+            n_cols,
+            rows_per_program,
+            HAS_DS=ds is not None,
+            HAS_DINC=inc_dtype is not None,
+            HAS_DIB=inc_bias_dtype is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
             num_warps=_num_warps(block_rows, block_cols, "bwd"),
-        )  # fmt: skip
+        )
     dw = weight.new_empty(n_cols)
     db = weight.new_empty(n_cols if has_bias else 0)
     dib = weight.new_empty(n_cols, dtype=inc_bias_dtype) if inc_bias_dtype is not None else weight.new_empty(0)

@@ -132,9 +132,15 @@ class TritonAdam(TritonAdamW):
         flat_grads: bool | None = None,
     ):
         super().__init__(
-            params, lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, decoupled_weight_decay=False,
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            max_grad_norm=max_grad_norm,
+            decoupled_weight_decay=False,
             flat_grads=flat_grads,
-        )  # fmt: skip
+        )
 
 
 class TritonSGD(FlatOptimizer):
