@@ -101,7 +101,7 @@ KERNEL_OPS = (
     "linear_cross_entropy",
     "linear_cross_entropy_saved",
 )
-"""Our ``torch.library`` ops (``trainer::<name>``), for :func:`register_kernel_fallbacks`."""
+"""trainer's ``torch.library`` ops (``trainer::<name>``), for :func:`register_kernel_fallbacks`."""
 
 
 def register_kernel_fallbacks() -> list[str]:
@@ -168,7 +168,7 @@ def inner_backend(
     dynamic: bool | None = None,
 ) -> Callable:
     """A Dynamo backend callable: ``backend`` by name (Inductor with ``mode``'s options, the trainer's defaults and
-    ``options``), with our ``kernels`` substituted into each graph before it (:mod:`trainer.compile.patterns`).
+    ``options``), with trainer's ``kernels`` substituted into each graph before it (:mod:`trainer.compile.patterns`).
     The distributed layer's graph splitter hands each piece to it."""
     from trainer.compile.patterns import substituting
 

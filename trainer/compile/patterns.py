@@ -1,7 +1,7 @@
 """trainer's Triton kernels substituted into any captured graph: no switches inside a model.
 
 A pass over each FX graph that Dynamo captures recognises patterns by what the graph computes, whatever the
-model's module names or classes, and replaces them with our ``torch.library`` ops:
+model's module names or classes, and replaces them with trainer's ``torch.library`` ops:
 
 - ``add_layer_norm``: ``layer_norm(x + inc, ...)`` (the residual add and the LayerNorm that reads it; the add's
   result stays the residual stream) as one kernel each way; a LayerNorm that reads no add gets the same kernel
