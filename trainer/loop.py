@@ -127,7 +127,7 @@ class Trainer:
                     log.timer.restart()  # evaluation and saving are not training time
                 if due.stop:
                     saved = f"checkpoint saved: {ckpts.last}" if due.save else "checkpoint.enabled=false: nothing saved"
-                    console.info(f"stopped {due.stop} at step {step}; {saved}")
+                    console.warn(f"stopped {due.stop} at step {step}; {saved}")  # short of train.steps
                     break
             log.write(log.read())
         finally:
