@@ -278,7 +278,7 @@ def _fit(tmp_path, *overrides):
 def test_fit_gives_the_loss_curve_without_checkpointing(extra, tmp_path, capsys):
     want = _fit(tmp_path / "none", *extra)
     got = _fit(tmp_path / "full", *extra, "train.activation_checkpointing=full")
-    assert "activation checkpointing: full, 2 of 2 blocks" in capsys.readouterr().err  # the console: stderr
+    assert "activation checkpointing: full, 2 of 2 blocks" in capsys.readouterr().out  # console.info: stdout
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     for step in want:  # observed equal to the last bit (fp32): the same ops on the same inputs
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
@@ -323,7 +323,7 @@ def test_two_ranks_with_checkpointing_reproduce_one_process(strategy, one_proces
     r = _torchrun(2, *COMMON, "train.steps=4", "train.micro_batch_size=4", *DISTRIBUTED[strategy],
                   "train.activation_checkpointing=full", f"run.dir={tmp_path}")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "activation checkpointing: full, 2 of 2 blocks" in r.stderr  # the console: stderr
+    assert "activation checkpointing: full, 2 of 2 blocks" in r.stdout  # console.info: stdout
     assert "do not follow the bucket plan" not in r.stdout + r.stderr
     a, b = losses(one_process), losses(tmp_path)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]

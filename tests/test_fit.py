@@ -130,7 +130,7 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert "saving a checkpoint" in out and "stopped by signal" in err
+    assert "saving a checkpoint" in out and "stopped by signal" in err, out + err
     last = (tmp_path / "checkpoints/last").read_text().strip()
     meta = json.loads((tmp_path / "checkpoints" / last / "meta.json").read_text())
     assert meta["step"] == _metrics(tmp_path)[-1]["step"] >= 3

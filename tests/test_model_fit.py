@@ -193,7 +193,9 @@ def test_a_vocabulary_far_larger_than_the_data_is_warned_of_unless_pretrained(tm
             "train.steps=1", "compile.enabled=false", "checkpoint.enabled=false"]  # fmt: skip
     warning = "has a 4,096-token vocabulary for data of 256 tokens"
     assert main([*base, f"run.dir={tmp_path / 'random'}"]) == 0
-    out = capsys.readouterr().out
-    assert out.count(warning) == 1 and "model.hf_overrides.vocab_size=256" in out, out
+    err = capsys.readouterr().err  # console.warn: stderr
+    assert err.count(f"warning: model.hf {tmp_path / 'llama'} {warning}") == 1, err
+    assert "model.hf_overrides.vocab_size=256" in err, err
     assert main([*base, f"run.dir={tmp_path / 'pretrained'}", "model.pretrained=true"]) == 0
-    assert warning not in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert warning not in said.out + said.err

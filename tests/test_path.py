@@ -61,14 +61,14 @@ def test_the_run_says_its_path_and_the_first_step_its_time(tmp_path, capsys, fre
     r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, "train.steps=2", f"run.dir={tmp_path / 'eager'}")
     assert r.returncode == 0, r.stderr
     assert "path: eager; foreach adamw (compile.enabled=auto: off on cpu; compile.cudagraphs=auto: off on cpu)" in (
-        r.stderr
+        r.stdout
     )
-    first = next(line for line in r.stderr.splitlines() if line.startswith("step      1"))
+    first = next(line for line in r.stdout.splitlines() if line.startswith("step      1"))
     assert first.startswith("step      1 | first step ") and "tok/s" not in first and "ms/step" not in first, first
 
     compiled = ["compile.enabled=true", "compile.backend=aot_eager"]
     r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, "train.steps=2", *compiled, f"run.dir={tmp_path / 'aot'}")
     assert r.returncode == 0, r.stderr
-    assert "path: compiled (aot_eager, whole model); foreach adamw (compile.cudagraphs=auto: off on cpu)" in r.stderr
-    first = next(line for line in r.stderr.splitlines() if line.startswith("step      1"))
+    assert "path: compiled (aot_eager, whole model); foreach adamw (compile.cudagraphs=auto: off on cpu)" in r.stdout
+    first = next(line for line in r.stdout.splitlines() if line.startswith("step      1"))
     assert first.startswith("step      1 | compiled in ") and "tok/s" not in first, first

@@ -286,7 +286,7 @@ def test_embedded_corpus(tmp_path, monkeypatch):
 def test_single_document_goes_to_train(tmp_path, capsys):
     (tmp_path / "one.txt").write_text("just one document\n")
     assert _prepare(tmp_path / "one.txt", "--tokenizer", "bpe:260", "--out", tmp_path / "out") == 0
-    assert "val.bin is empty (the corpus is one document)" in capsys.readouterr().out
+    assert "warning: val.bin is empty (the corpus is one document)" in capsys.readouterr().err
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["documents"] == {"train": 1, "val": 0}
 
 

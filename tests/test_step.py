@@ -49,7 +49,7 @@ def _batches(n: int, seed: int = 1):
 
 
 def _step(model, opt, **kwargs) -> TrainStep:
-    args = dict(grad_accum=1, grad_clip=0.0, amp_dtype=None, env=CPU, say=lambda *_: None)
+    args = dict(grad_accum=1, grad_clip=0.0, amp_dtype=None, env=CPU)
     return TrainStep(model, model, opt, **{**args, **kwargs})
 
 
@@ -179,20 +179,21 @@ def test_the_graphed_path_captures_after_the_ordinary_steps_and_replays_the_stac
     assert all(o.loss.ndim == 0 for o in outs) and len(opt.seen) == GRAPH_AFTER_STEPS + 2
 
 
-def test_a_compile_failure_falls_back_to_eager_or_stops_the_run(monkeypatch):
+def test_a_compile_failure_falls_back_to_eager_or_stops_the_run(monkeypatch, capsys):
     class Broken(Regression):
         def forward(self, x, y):
             raise torch._dynamo.exc.TorchDynamoException("the backend failed")  # any Dynamo failure
 
-    said = []
     model, batch_of = Broken(), _batches(1)
     opt = RecordingSGD(model.parameters())
     monkeypatch.setattr("trainer.compile.debug.compile_error_hint", lambda e: "hint")
     eager = Regression()
     eager.lin = model.lin  # the same parameters, a forward that works
-    step = _step(model, opt, fallback=lambda m, sync: (eager, NoSync()), say=said.append)
+    step = _step(model, opt, fallback=lambda m, sync: (eager, NoSync()))
+    capsys.readouterr()
     out = step(batch_of)
     assert not out.skipped and len(opt.seen) == 1 and step.model is eager
-    assert "compile.fallback=eager" in said[0]
+    said = capsys.readouterr()
+    assert said.err.startswith("warning: compile failed; compile.fallback=eager") and "hint" in said.err, said
     with pytest.raises(TrainingError, match="compile.fallback=eager"):
         _step(Broken(), RecordingSGD(model.parameters()))(batch_of)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from trainer import console
 from trainer import plan as plan_rules
 from trainer.config import Config, ConfigError
 from trainer.distributed.fsdp import is_sharded
@@ -39,7 +40,7 @@ def describe_path(plan: plan_rules.Plan, opt) -> str:
     return f"path: {path}; {', '.join(kernels)}{reasons}"
 
 
-def make_model(plan: plan_rules.Plan, vocab_size: int, env=None, say=None) -> nn.Module:
+def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
     """The model the plan's config describes (the built-in GPT, ``model.target``'s, or the
     Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's), on the plan's
     device.
@@ -50,8 +51,8 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None, say=None) -> nn
     Under fsdp on several ranks (``env``) rank 0 builds it so and every other rank with its parameters on the meta
     device; :func:`shard` moves the shards to the device and fills them from rank 0's values.
 
-    Before it reaches the device, the model is checked against the data (:func:`check_fits_data`); ``say`` gets
-    the warning for a vocabulary far larger than the data's.
+    Before it reaches the device, the model is checked against the data (:func:`check_fits_data`), which warns
+    of a vocabulary far larger than the data's.
 
     Raises:
         ValueError: the model cannot be built, or cannot take the data's sequences or token ids.
@@ -78,25 +79,28 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None, say=None) -> nn
                 return build(False)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
-            warnings.warn(f"the model does not fit {device} whole to be initialized there; building it on the host",
-                          stacklevel=1)  # fmt: skip
+            console.warn(f"the model does not fit {device} whole to be initialized there; building it on the host")
             return build(False)
 
-    def ready(model: nn.Module, say) -> nn.Module:  # checked against the data, then fp8's layers
-        return _maybe_fp8(check_fits_data(model, cfg, vocab_size, say), plan, say)
+    def ready(model: nn.Module) -> nn.Module:  # checked against the data, then fp8's layers
+        return _maybe_fp8(check_fits_data(model, cfg, vocab_size), plan)
 
     if not fsdp:
-        return ready(whole(), say).to(device)
+        return ready(whole()).to(device)
     if env.rank == 0:
-        return ready(whole(), say)
+        return ready(whole())
     try:
         with parameters_on_meta():
             model = build(False)  # the weights are rank 0's to read
     except Exception as e:  # a model whose __init__ computes with its parameters' values; a config error fails again
-        warnings.warn(f"fsdp: rank {env.rank} could not build the model with its parameters on the meta device "
-                      f"({type(e).__name__}: {e}); building it whole", stacklevel=1)  # fmt: skip
+        console.warn(
+            f"fsdp: rank {env.rank} could not build the model with its parameters on the meta device "
+            f"({type(e).__name__}: {e}); building it whole",
+            every_rank=True,
+        )
         model = build(False)
-    return ready(model, None)  # rank 0 speaks for all
+    with console.quiet():  # rank 0 says it for all
+        return ready(model)
 
 
 def build_model_of(cfg: Config, vocab_size: int, pretrained: bool) -> nn.Module:
@@ -105,10 +109,21 @@ def build_model_of(cfg: Config, vocab_size: int, pretrained: bool) -> nn.Module:
 
     m = cfg.model
     return build_model(
-        preset=m.preset, vocab_size=vocab_size, seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-        n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, attention=m.attention, target=m.target,
-        kwargs=dict(m.kwargs), hf=m.hf, hf_overrides=dict(m.hf_overrides), pretrained=pretrained,
-    )  # fmt: skip
+        preset=m.preset,
+        vocab_size=vocab_size,
+        seq_len=cfg.data.seq_len,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        dropout=m.dropout,
+        bias=m.bias,
+        attention=m.attention,
+        target=m.target,
+        kwargs=dict(m.kwargs),
+        hf=m.hf,
+        hf_overrides=dict(m.hf_overrides),
+        pretrained=pretrained,
+    )
 
 
 def fp8_all_gather(plan: plan_rules.Plan) -> bool:
@@ -116,9 +131,9 @@ def fp8_all_gather(plan: plan_rules.Plan) -> bool:
     return plan.precision == "fp8" and plan.strategy.fsdp and plan.cfg.train.fp8_recipe == "tensorwise"
 
 
-def _maybe_fp8(model: nn.Module, plan: plan_rules.Plan, say) -> nn.Module:
+def _maybe_fp8(model: nn.Module, plan: plan_rules.Plan) -> nn.Module:
     """``model`` with its linears converted to float8 training under ``train.precision=fp8`` (the rule:
-    :mod:`trainer.precision.fp8`); ``say`` gets how many, and why the others are not."""
+    :mod:`trainer.precision.fp8`); says how many, and why the others are not."""
     cfg = plan.cfg
     if plan.precision != "fp8":
         return model
@@ -126,15 +141,14 @@ def _maybe_fp8(model: nn.Module, plan: plan_rules.Plan, say) -> nn.Module:
 
     all_gather = fp8_all_gather(plan)
     conversion = fp8.convert(model, cfg.train.fp8_recipe, fsdp_all_gather=all_gather)
-    if say is not None:
-        say(conversion.describe() + ("; weights all-gathered in float8" if all_gather else ""))
+    console.info(conversion.describe() + ("; weights all-gathered in float8" if all_gather else ""))
     return model
 
 
-def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int, say=None) -> nn.Module:
+def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int) -> nn.Module:
     """``model``, once one meta-device forward (:func:`trainer.models.fit_check.check_model_fits`) shows it takes
     sequences of ``data.seq_len`` tokens with ids below ``vocab_size``. A model trained from scratch whose token
-    table is more than 4x the data's vocabulary gets one warning through ``say``: its embedding and head are that
+    table is more than 4x the data's vocabulary gets one warning: its embedding and head are that
     much larger (and slower) than the data can use.
 
     Raises:
@@ -149,15 +163,23 @@ def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int, say=None) ->
     if fit.problems:
         kinds = {kind for kind, _ in fit.problems}
         ways = ["lower data.seq_len, or give the model more positions (" + resize + ")"] if kinds - {"tokens"} else []
-        ways += [f"use data tokenized for this model, or give it a vocabulary of at least {vocab_size} tokens "
-                 f"({resize}.vocab_size)"] if "tokens" in kinds else []  # fmt: skip
+        ways += (
+            [
+                f"use data tokenized for this model, or give it a vocabulary of at least {vocab_size} tokens "
+                f"({resize}.vocab_size)"
+            ]
+            if "tokens" in kinds
+            else []
+        )
         lines = "; ".join(line for _, line in fit.problems)
         raise ValueError(f"{source} does not fit the data: {lines}. To fix: {'; '.join(ways)}")
     rows = fit.token_table
-    if say is not None and rows is not None and rows > 4 * vocab_size and not (m.hf and m.pretrained):
-        say(f"warning: {source} has a {rows:,}-token vocabulary for data of {vocab_size:,} tokens: its "
-            f"embedding and head are {rows / vocab_size:.0f}x larger than the data can use, and as much slower. "
-            f"Set {resize}.vocab_size={vocab_size} (or a multiple of 64 above it)")  # fmt: skip
+    if rows is not None and rows > 4 * vocab_size and not (m.hf and m.pretrained):
+        console.warn(
+            f"{source} has a {rows:,}-token vocabulary for data of {vocab_size:,} tokens: its embedding and head "
+            f"are {rows / vocab_size:.0f}x larger than the data can use, and as much slower. "
+            f"Set {resize}.vocab_size={vocab_size} (or a multiple of 64 above it)"
+        )
     return model
 
 
@@ -166,8 +188,16 @@ def batches(cfg: Config, corpus, env):
     from trainer.data import Batches
 
     t = cfg.train
-    return Batches(corpus, seq_len=cfg.data.seq_len, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                   rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=env.device)  # fmt: skip
+    return Batches(
+        corpus,
+        seq_len=cfg.data.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        grad_accum=t.grad_accum,
+        rank=env.rank,
+        world_size=env.world_size,
+        seed=cfg.seed,
+        device=env.device,
+    )
 
 
 def backward_context(cfg: Config):
@@ -179,11 +209,12 @@ def backward_context(cfg: Config):
     c = cfg.compile
     mode = c.mode if c.backend == "inductor" else None
     options = dict(c.inductor_options) or None
-    return lambda: compiled_autograd(c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph,
-                                     options=options)  # fmt: skip
+    return lambda: compiled_autograd(
+        c.backend, mode=mode, dynamic=bool(c.dynamic), fullgraph=c.fullgraph, options=options
+    )
 
 
-def eager_fallback(raw_model: nn.Module, plan: plan_rules.Plan, env, say, opt=None):
+def eager_fallback(raw_model: nn.Module, plan: plan_rules.Plan, env, opt=None):
     """``compile.fallback``: None (a compile failure stops the run), or for ``eager`` what replaces a model whose
     compile failed: the same parameters, uncompiled, wrapped again for data parallelism (``opt``: as :func:`wrap`)."""
     if plan.cfg.compile.fallback != "eager":
@@ -193,7 +224,7 @@ def eager_fallback(raw_model: nn.Module, plan: plan_rules.Plan, env, say, opt=No
         from trainer.distributed import sync as grad_sync
 
         sync.detach()  # the new wrapper registers its own hooks on the same parameters
-        model = wrap(uncompiled(raw_model), plan, env, say=say, compile=False, opt=opt)[0]
+        model = wrap(uncompiled(raw_model), plan, env, compile=False, opt=opt)[0]
         return model, grad_sync.of(model, plan)
 
     return fallback
@@ -222,15 +253,23 @@ def describe_run(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_ste
     n_params = sum(p.numel() for p in model.parameters())
     ranks = f" x{strategy.world} ({strategy})" if strategy.world > 1 else ""
     attention = attention_of(model)
-    eager = (f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
-             "transformers: slower, and it keeps the attention matrix)") if attention == "eager" else ""  # fmt: skip
+    eager = (
+        (
+            f"; attention: transformers' eager implementation ({type(model.hf).__name__} has no sdpa in this "
+            "transformers: slower, and it keeps the attention matrix)"
+        )
+        if attention == "eager"
+        else ""
+    )
     cost = cpu_cost(cfg, model) if device.type == "cpu" else None
     fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if plan.precision == "fp8" else ""
     precision = fp8 + precision_name(plan.autocast)
-    return (f"[bold]trainer[/bold] {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
-            f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}{ranks}, {precision}; "
-            f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}"
-            + (f"\n[yellow]{cost}[/yellow]" if cost else ""))  # fmt: skip
+    return (
+        f"trainer {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
+        f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}{ranks}, {precision}; "
+        f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}"
+        + (f"\n{cost}" if cost else "")
+    )
 
 
 def cpu_cost(cfg: Config, model: nn.Module, quiet_below_s: float = 600) -> str | None:
@@ -264,27 +303,38 @@ def cpu_cost(cfg: Config, model: nn.Module, quiet_below_s: float = 600) -> str |
     if total < quiet_below_s:
         return None
     took = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
-    return (f"on the CPU one step is {step_flops / 1e12:.2f} TFLOP: about {step_s:.0f} s at the {rate / 1e9:.0f} "
-            f"GFLOP/s a matmul reaches here, and one evaluation ({t.eval_batches} batches) about {eval_s:.0f} s; "
-            f"{t.steps} steps and {evals} evaluations take about {took}. This config is sized for a GPU; "
-            "configs/tiny.yaml trains on a CPU in about a minute")  # fmt: skip
+    return (
+        f"on the CPU one step is {step_flops / 1e12:.2f} TFLOP: about {step_s:.0f} s at the {rate / 1e9:.0f} "
+        f"GFLOP/s a matmul reaches here, and one evaluation ({t.eval_batches} batches) about {eval_s:.0f} s; "
+        f"{t.steps} steps and {evals} evaluations take about {took}. This config is sized for a GPU; "
+        "configs/tiny.yaml trains on a CPU in about a minute"
+    )
 
 
-def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_rules.Plan, env, say):
+def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_rules.Plan, env):
     """The :class:`trainer.step.TrainStep` the plan describes (``model``: what :func:`wrap` returned)."""
     from trainer.distributed import sync
     from trainer.step import TrainStep
 
     cfg = plan.cfg
     return TrainStep(
-        model, raw_model, opt, grad_accum=cfg.train.grad_accum, grad_clip=cfg.optim.grad_clip, scaler=scaler,
-        amp_dtype=plan.autocast, env=env, graphed=cfg.compile.cudagraphs,
-        skip_non_finite=cfg.train.on_nan == "skip", backward_ctx=backward_context(cfg),
-        fallback=eager_fallback(raw_model, plan, env, say, opt=opt), say=say, sync=sync.of(model, plan),
-    )  # fmt: skip
+        model,
+        raw_model,
+        opt,
+        grad_accum=cfg.train.grad_accum,
+        grad_clip=cfg.optim.grad_clip,
+        scaler=scaler,
+        amp_dtype=plan.autocast,
+        env=env,
+        graphed=cfg.compile.cudagraphs,
+        skip_non_finite=cfg.train.on_nan == "skip",
+        backward_ctx=backward_context(cfg),
+        fallback=eager_fallback(raw_model, plan, env, opt=opt),
+        sync=sync.of(model, plan),
+    )
 
 
-def compile_watcher(cfg: Config, say, model: nn.Module | None = None):
+def compile_watcher(cfg: Config, model: nn.Module | None = None):
     """A :class:`trainer.compile.report.CompileWatcher` (graphs, breaks, recompiles, compile time) that warns on a
     recompile after warm-up, when anything is compiled; else None. Under ``train.precision=fp8`` its report lists
     ``model``'s linears in float8 and the others with the reason."""
@@ -292,7 +342,7 @@ def compile_watcher(cfg: Config, say, model: nn.Module | None = None):
         return None
     from trainer.compile.report import CompileWatcher
 
-    warn = lambda rec: say(f"[yellow]warning: {rec['message']}[/yellow]")
+    warn = lambda rec: console.warn(rec["message"])  # noqa: E731
     watcher = CompileWatcher(max_recompiles=cfg.compile.max_recompiles, on_recompile=warn)
     if cfg.train.precision == "fp8" and model is not None:
         from trainer.precision import fp8
@@ -407,16 +457,16 @@ def splits_at_buckets(c) -> bool:
     return c.enabled and c.scope == "model" and not c.autograd
 
 
-def checkpoint_activations(model: nn.Module, cfg: Config, say=None) -> None:
-    """``train.activation_checkpointing`` on the model's repeated blocks, in place (idempotent); ``say`` says so.
+def checkpoint_activations(model: nn.Module, cfg: Config) -> None:
+    """``train.activation_checkpointing`` on the model's repeated blocks, in place (idempotent), and says so.
 
     Before anything compiles or wraps the blocks: the recompute is then inside their compiled graphs (and under
     FSDP inside its hooks, which gather the parameters again for the backward).
     """
     t = cfg.train
     if t.activation_checkpointing == "none":
-        if t.checkpoint_every_n != 1 and say:
-            say("train.checkpoint_every_n has no effect with train.activation_checkpointing=none")
+        if t.checkpoint_every_n != 1:
+            console.info("train.checkpoint_every_n has no effect with train.activation_checkpointing=none")
         return
     if cfg.compile.autograd and not cfg.compile.enabled:
         # Compiled autograd cannot trace an eager checkpoint's recompute (torch 2.13: "Attempted to call function
@@ -428,12 +478,16 @@ def checkpoint_activations(model: nn.Module, cfg: Config, say=None) -> None:
     from trainer.models.recompute import apply_activation_checkpointing
 
     note = apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_n, cfg.compile.blocks)
-    if say:
-        say(f"activation checkpointing: {note}")
+    console.info(f"activation checkpointing: {note}")
 
 
-def wrap(model: nn.Module, plan: plan_rules.Plan, env, say, compile: bool = True,  # noqa: A002
-         opt=None) -> tuple[nn.Module, object | None]:  # fmt: skip
+def wrap(
+    model: nn.Module,
+    plan: plan_rules.Plan,
+    env,
+    compile: bool = True,
+    opt=None,  # noqa: A002
+) -> tuple[nn.Module, object | None]:
     """Compilation and data-parallel wrapping: ``(the module the loop calls, the DDP graph splitter or None)``.
 
     ``opt``: the run's optimizer; a sharded one (``distributed.shard_optimizer``) brings the bucket plan and the flat
@@ -446,10 +500,10 @@ def wrap(model: nn.Module, plan: plan_rules.Plan, env, say, compile: bool = True
             "independent models; set distributed.strategy=ddp or fsdp"
         )
     if strategy != "none" and not env.distributed:
-        say(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
+        console.info(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
         if cfg.distributed.shard_optimizer:
-            say("distributed.shard_optimizer=true has no effect in a single process (no torchrun)")
-    checkpoint_activations(model, cfg, say=say)  # before compile and DDP; under FSDP shard() did it already
+            console.info("distributed.shard_optimizer=true has no effect in a single process (no torchrun)")
+    checkpoint_activations(model, cfg)  # before compile and DDP; under FSDP shard() did it already
     buckets = splitter = None
     # distributed.shard_optimizer: the bucket plan the parameters were moved into
     shards = opt.shards if plan.strategy.zero and opt is not None else None
@@ -467,7 +521,7 @@ def wrap(model: nn.Module, plan: plan_rules.Plan, env, say, compile: bool = True
     if compile and cfg.compile.enabled and not is_sharded(model):
         from trainer.compile.capture import apply_compile
 
-        model = apply_compile(model, cfg.compile, say=say, backend=splitter)
+        model = apply_compile(model, cfg.compile, backend=splitter)
     if buckets is not None:
         from trainer.distributed.fsdp import DTYPES
 
@@ -475,7 +529,7 @@ def wrap(model: nn.Module, plan: plan_rules.Plan, env, say, compile: bool = True
     return model, splitter
 
 
-def shard(model: nn.Module, plan: plan_rules.Plan, env, say) -> None:
+def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
     """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard; every rank's
     shards are then rank 0's values (``model`` as :func:`make_model` built it under fsdp)."""
     import dataclasses
@@ -485,18 +539,21 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env, say) -> None:
     cfg = plan.cfg
     c, d = cfg.compile, cfg.distributed
     full = full_state(model) if env.rank == 0 else None  # rank 0 built it whole (make_model), the others on meta
-    checkpoint_activations(model, cfg)  # inside the compiled forward and FSDP's hooks; wrap() says so
+    with console.quiet():  # inside the compiled forward and FSDP's hooks; wrap() says so
+        checkpoint_activations(model, cfg)
     if c.enabled:
         from trainer.compile.capture import apply_compile
 
-        if c.scope == "model" and say:
-            say("fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP")
+        if c.scope == "model":
+            console.info(
+                "fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP"
+            )
         blocks = dataclasses.replace(c, scope="blocks")
-        apply_compile(model, blocks, say=say or (lambda m: None), hooks_outside=True)
+        apply_compile(model, blocks, hooks_outside=True)
     param_dtype = DTYPES[plan.param_dtype]
     units = plan.layout_of(model)
-    if say:  # the report's first line; `trainer explain` prints all of it
-        say(describe_units(model, units, d.fsdp_unit_mb).split("\n", 1)[0])
+    # The report's first line; `trainer explain` prints all of it.
+    console.info(describe_units(model, units, d.fsdp_unit_mb).split("\n", 1)[0])
     apply_fsdp(
         model,
         units,

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainer import rundir
+from trainer import console, rundir
 from trainer.distributed.env import DistEnv, every_rank
 from trainer.io import atomic_write, atomic_write_text
 from trainer.step import TrainingError
@@ -235,8 +235,11 @@ def _stop_if_failed(failures: list, step: int, root: Path, partial: Path | None)
     message, code, rank = failed[0]
     message += f" (rank {rank})" if len(failures) > 1 else ""
     pointer = root / LAST
-    kept = (f"the last checkpoint is still {root / pointer.read_text().strip()} (resume=last continues from it)"
-            if pointer.is_file() else "no checkpoint was saved before this one")  # fmt: skip
+    kept = (
+        f"the last checkpoint is still {root / pointer.read_text().strip()} (resume=last continues from it)"
+        if pointer.is_file()
+        else "no checkpoint was saved before this one"
+    )
     fix = "Free disk space (or set run.dir on another disk)" if code == errno.ENOSPC else "Fix the cause"
     raise CheckpointWriteError(
         f"cannot save the checkpoint of step {step}: {message}. Stopped; {kept}. {fix}, then resume.",
@@ -423,8 +426,17 @@ class Checkpointer:
         beside: files kept beside the checkpoints (:class:`SideFiles`), saved with each and loaded on resume.
     """
 
-    def __init__(self, states: dict[str, Stateful], storage: Storage, run_dir: Path, env: DistEnv, *, config: dict,
-                 keep: int, beside: Sequence[SideFiles] = ()):  # fmt: skip
+    def __init__(
+        self,
+        states: dict[str, Stateful],
+        storage: Storage,
+        run_dir: Path,
+        env: DistEnv,
+        *,
+        config: dict,
+        keep: int,
+        beside: Sequence[SideFiles] = (),
+    ):
         assert set(states) <= {*DCP_KEYS, *OPTIM_KEYS, "train", "sampler", "rng"}, f"no place for {sorted(states)}"
         self.states, self.storage, self.root, self.env = states, storage, run_dir / "checkpoints", env
         self.config, self.keep, self.beside = config, keep, beside
@@ -455,8 +467,12 @@ class Checkpointer:
             _save_file(snapshot["model"], directory / "model.pt")
         fault_point("checkpoint_write", step)  # between two files: the checkpoint is incomplete
         _save_file({k: snapshot[k] for k in OPTIM_KEYS if k in snapshot}, directory / "optim.pt", disk_full)
-        meta = {**snapshot["train"], "sampler": snapshot["sampler"], "world_size": self.env.world_size,
-                "config": self.config}  # fmt: skip
+        meta = {
+            **snapshot["train"],
+            "sampler": snapshot["sampler"],
+            "world_size": self.env.world_size,
+            "config": self.config,
+        }
         atomic_write_text(directory / META, json.dumps(meta, indent=1))
 
     def begin(self, start: rundir.Start) -> Stateful:
@@ -466,13 +482,13 @@ class Checkpointer:
         step = self.restore(start.resume, start.headline()) if start.resume else 0
         if self.env.is_main:
             if start.resume is None and (line := start.fresh_line(self.root.parent)):
-                print(line, flush=True)
+                console.info(line)
             rundir.record_start(self.root.parent, start, step, self.resumed, self.env.world_size)
         return self.states["train"]
 
     def restore(self, spec: str, headline: str = "resumed from {path} at step {step}") -> int:
         """Load ``resume=spec`` (``last`` or a path) into the states; returns its step. ``headline``: the line rank 0
-        prints first, a template of ``{path}`` and ``{step}``.
+        says first, a template of ``{path}`` and ``{step}``.
 
         Raises:
             CheckpointError: a checkpoint that is missing, unreadable, or does not fit this run's config or states.
@@ -482,8 +498,10 @@ class Checkpointer:
         changes = compare_configs(saved.pop("config"), self.config, path)
         in_shards = (path / DCP_DIR).is_dir()
         if self.storage.sharded and not in_shards:
-            raise CheckpointError(f"checkpoint {path} was written without fsdp (whole tensors in model.pt); resume "
-                                  "it with distributed.strategy=ddp or none")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint {path} was written without fsdp (whole tensors in model.pt); resume "
+                "it with distributed.strategy=ddp or none"
+            )
         try:
             if in_shards:  # written under FSDP: resharded to this run's world size by DCP
                 _load_shards(self.states, path / DCP_DIR)
@@ -498,10 +516,10 @@ class Checkpointer:
         self.resumed = path
         step = int(saved["train"]["step"])
         if self.env.is_main:
-            print(headline.format(path=path, step=step), flush=True)
+            console.info(headline.format(path=path, step=step))
             for line in said:
-                print(line, flush=True)
+                console.info(line)
             for line in changes:
                 if not line.startswith(("run.", "model.kwargs")):
-                    print(f"  changed on resume: {line}", flush=True)
+                    console.info(f"  changed on resume: {line}")
         return step

@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from trainer import console
+
 EXIT_USER_ERROR = 2
 EXIT_TRAINING_FAILED = 1
 
@@ -53,8 +55,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    over = ("key=value overrides (later wins), e.g. optim.lr=3e-4; resume=last|PATH resumes, resume=auto resumes "
-            "if there is a checkpoint (fit only)")  # fmt: skip
+    over = (
+        "key=value overrides (later wins), e.g. optim.lr=3e-4; resume=last|PATH resumes, resume=auto resumes "
+        "if there is a checkpoint (fit only)"
+    )
     f = sub.add_parser("fit", help="train from a config")
     f.add_argument("config", help=CONFIG_HELP)
     f.add_argument("overrides", nargs="*", help=over)
@@ -69,11 +73,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
     e.add_argument("--dump-code", metavar="DIR", help="write the code Inductor generated, per graph, into DIR")
     e.add_argument("--verbose", action="store_true", help="also list the kernel patterns nearly matched, and why not")
-    e.add_argument("--memory", action="store_true",
-                   help="predict the peak memory per rank, by part, from short runs of each checkpointing mode, and "
-                   "the largest micro-batch that fits")  # fmt: skip
-    t = sub.add_parser("tune", help="find the fastest micro-batch, checkpointing, bucket size and precision by "
-                       "measurement; writes CONFIG.tuned.yaml")  # fmt: skip
+    e.add_argument(
+        "--memory",
+        action="store_true",
+        help="predict the peak memory per rank, by part, from short runs of each checkpointing mode, and "
+        "the largest micro-batch that fits",
+    )
+    t = sub.add_parser(
+        "tune",
+        help="find the fastest micro-batch, checkpointing, bucket size and precision by "
+        "measurement; writes CONFIG.tuned.yaml",
+    )
     t.add_argument("config", help=CONFIG_HELP)
     t.add_argument("overrides", nargs="*", help="key=value overrides, applied before the search")
     t.add_argument("--budget-s", type=float, default=600.0, help="wall-clock seconds to spend (default 600)")
@@ -81,12 +91,20 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (holding metrics.jsonl)")
     pl.add_argument("-o", "--out", help="PNG path (default: <first run>/plot.png)")
     pr = sub.add_parser("prepare", help="tokenize text into a data directory (train.bin, val.bin, meta.json)")
-    pr.add_argument("sources", nargs="*", metavar="SOURCE",
-                    help="text files, directories of them, .jsonl, .parquet, or hf:NAME (a Hugging Face dataset); "
-                    "none: the embedded corpus")  # fmt: skip
-    pr.add_argument("--tokenizer", default="bpe:8192", metavar="TOK",
-                    help="a tokenizer.json or Hugging Face model directory, tiktoken:NAME (gpt2, cl100k_base, "
-                    "o200k_base), or bpe:N: an N-token BPE trained on the sources (default bpe:8192)")  # fmt: skip
+    pr.add_argument(
+        "sources",
+        nargs="*",
+        metavar="SOURCE",
+        help="text files, directories of them, .jsonl, .parquet, or hf:NAME (a Hugging Face dataset); "
+        "none: the embedded corpus",
+    )
+    pr.add_argument(
+        "--tokenizer",
+        default="bpe:8192",
+        metavar="TOK",
+        help="a tokenizer.json or Hugging Face model directory, tiktoken:NAME (gpt2, cl100k_base, "
+        "o200k_base), or bpe:N: an N-token BPE trained on the sources (default bpe:8192)",
+    )
     pr.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     pr.add_argument("--field", default="text", help="the text field of .jsonl, .parquet and datasets (default text)")
     pr.add_argument("--val-fraction", type=float, default=0.05, help="documents held out for val.bin (default 0.05)")
@@ -147,7 +165,7 @@ def _main(argv: list[str] | None) -> int:
         _user_error(e)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        console.error("\ninterrupted")
         return 130
 
 
@@ -167,17 +185,17 @@ def _run(args) -> int:
             args.overrides.insert(0, args.config)  # `trainer print-config optim.lr=1` (defaults + overrides)
             args.config = None
         cfg = load_config(args.config, args.overrides)
-        sys.stdout.write(to_yaml(cfg, with_help=not args.no_help))
+        console.info(to_yaml(cfg, with_help=not args.no_help).rstrip("\n"))
         return 0
     if args.command == "configs":
         from trainer.shipped import format_configs
 
-        print(format_configs())
+        console.info(format_configs())
         return 0
     if args.command == "plot":
         from trainer.plot import plot_runs
 
-        print(plot_runs(args.runs, args.out))
+        console.info(str(plot_runs(args.runs, args.out)))
         return 0
     if args.command == "export":
         return _export(args.run_dir, args.out_dir)
@@ -220,18 +238,17 @@ def _run(args) -> int:
 
             await_launcher(terminated=getattr(e, "terminated", False))
         return EXIT_TRAINING_FAILED
-    if os.environ.get("RANK", "0") == "0":
-        _print_summary(summary)
+    _print_summary(summary)
     return 0
 
 
 def _config_file(config: str) -> str:
-    """The file ``trainer fit CONFIG`` reads; rank 0 says so where a shipped config stands in for ``CONFIG``."""
+    """The file ``trainer fit CONFIG`` reads; says so where a shipped config stands in for ``CONFIG``."""
     from trainer.shipped import find_config
 
     path, shipped = find_config(config)
-    if shipped and os.environ.get("RANK", "0") == "0":
-        print(f"config: {path}, shipped with trainer (no {config} in the working directory)", flush=True)
+    if shipped:
+        console.info(f"config: {path}, shipped with trainer (no {config} in the working directory)")
     return str(path)
 
 
@@ -250,40 +267,48 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     if steps <= 0:
         raise ValueError(f"--steps: expected a positive number, got {steps}")
     scratch = tempfile.mkdtemp(prefix="trainer-explain-")
-    forced = ["compile.enabled=true", f"train.steps={steps}", "train.eval_every=0", "checkpoint.enabled=false",
-              "log.progress=false", f"run.dir={scratch}"]  # fmt: skip
+    forced = [
+        "compile.enabled=true",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "checkpoint.enabled=false",
+        "log.progress=false",
+        f"run.dir={scratch}",
+    ]
     cfg = load_config(config, [*overrides, *forced])
     cfg.compile.cache_dir = cfg.compile.cache_dir or str(Path(scratch) / "compile_cache")
     dumping = dump_code(dump_dir) if dump_dir else contextlib.nullcontext([])
     trainer = Trainer(cfg)
     with dumping as files:
         trainer.fit()
-    if os.environ.get("RANK", "0") != "0":  # rank 0 alone writes the report (each rank has its own scratch dir)
+    if console.rank() != 0:  # rank 0 alone writes the report (each rank has its own scratch dir)
         return 0
     report = json.loads((Path(scratch) / "compile_report.json").read_text())
-    print(format_text(report, verbose))
+    console.info(format_text(report, verbose))
     plan = json.loads((Path(scratch) / "plan.json").read_text())
-    print("plan: what each auto became (the run directory's plan.json)" if plan["choices"] else "plan: no auto")
+    console.info("plan: what each auto became (the run directory's plan.json)" if plan["choices"] else "plan: no auto")
     for line in plan["choices"]:
-        print(f"  {line}")
+        console.info(f"  {line}")
     strategy = cfg.distributed.strategy
     if strategy in ("ddp", "fsdp") and "WORLD_SIZE" not in os.environ:
-        print(f"distributed.strategy={strategy}: the plan each rank would follow under torchrun (this single process "
-              "communicated nothing)")  # fmt: skip
+        console.info(
+            f"distributed.strategy={strategy}: the plan each rank would follow under torchrun (this single process "
+            "communicated nothing)"
+        )
     if strategy == "ddp":
         from trainer.build import ddp_plan_report
 
-        print(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
+        console.info(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
     elif strategy == "fsdp":
         from trainer.build import fsdp_units_report
 
-        print(fsdp_units_report(trainer.raw_model, cfg))
+        console.info(fsdp_units_report(trainer.raw_model, cfg))
     else:
-        print("No bucket plan: distributed.strategy=none (add distributed.strategy=ddp or fsdp to see its plan)")
+        console.info("No bucket plan: distributed.strategy=none (add distributed.strategy=ddp or fsdp to see its plan)")
     if dump_dir:
-        print(f"generated code: {len(files)} file(s) in {dump_dir}")
+        console.info(f"generated code: {len(files)} file(s) in {dump_dir}")
         for f in files:
-            print(f"  {f}")
+            console.info(f"  {f}")
     return 0
 
 
@@ -305,8 +330,9 @@ def _export(run_dir: str, out_dir: str) -> int:
     cfg = load_config(config)
     if cfg.model.hf is None:
         model = f"model.target {cfg.model.target}" if cfg.model.target else f"the built-in GPT ({cfg.model.preset})"
-        raise ValueError(f"export: {run} trained {model}; export writes a Hugging Face model and needs a run of a "
-                         "model.hf model")  # fmt: skip
+        raise ValueError(
+            f"export: {run} trained {model}; export writes a Hugging Face model and needs a run of a model.hf model"
+        )
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: OUT_DIR {out} is a file; expected a directory to write")
     if out.resolve() == run.resolve():
@@ -327,17 +353,23 @@ def _export(run_dir: str, out_dir: str) -> int:
     meta = checkpoint.load_model_weights(path, model)
     save_pretrained(model, out, source=m.hf)
     shutil.copy2(config, out / "trainer_config.yaml")
-    print(f"exported {path} (step {meta.get('step')}) to {out}")
+    console.info(f"exported {path} (step {meta.get('step')}) to {out}")
     return 0
 
 
 def _print_summary(s: dict) -> None:
     from trainer.metrics import format_fields
 
-    fields = [("steps", "done: {} steps"), ("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"),
-              ("mean_tokens_per_s", "{:,.0f} tok/s"), ("first_step_s", "first step {:.1f} s"),
-              ("peak_mem_gb", "peak mem {:.2f} GB"), ("checkpoint", "checkpoint {}")]  # fmt: skip
-    print(format_fields(s, fields), flush=True)
+    fields = [
+        ("steps", "done: {} steps"),
+        ("loss", "loss {:.4f}"),
+        ("val_loss", "val_loss {:.4f}"),
+        ("mean_tokens_per_s", "{:,.0f} tok/s"),
+        ("first_step_s", "first step {:.1f} s"),
+        ("peak_mem_gb", "peak mem {:.2f} GB"),
+        ("checkpoint", "checkpoint {}"),
+    ]
+    console.info(format_fields(s, fields))
 
 
 if __name__ == "__main__":

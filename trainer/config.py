@@ -28,8 +28,18 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.schema import Config, ConfigError
 from trainer.shipped import find_config
 
-__all__ = ["Config", "ConfigError", "load_config", "validate", "to_dict", "to_yaml", "reference_markdown",
-           "field_help", "iter_fields", "get"]  # fmt: skip
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "validate",
+    "to_dict",
+    "to_yaml",
+    "reference_markdown",
+    "field_help",
+    "iter_fields",
+    "get",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Schema introspection: field help and the set of valid keys.
@@ -73,8 +83,8 @@ _OPEN = {key for key, (f, _) in _ALL.items() if "dict" in str(f.type)}
 
 
 _REMOVED = {
-    key: "our kernels reach every model through the compile layer now: use compile.kernels (auto, all, none or a list "
-    "of add_layer_norm, add_rms_norm, cross_entropy, linear_cross_entropy)"
+    key: "trainer's Triton kernels reach every model through the compile layer: use compile.kernels (auto, all, none "
+    "or a list of add_layer_norm, add_rms_norm, cross_entropy, linear_cross_entropy)"
     for key in ("model.fused_loss", "model.cross_entropy", "model.layer_norm")
 }
 """Keys of earlier versions, and what replaces them (CHANGELOG.md)."""

@@ -102,8 +102,10 @@ def load_corpus(
     else:
         if dtype != "auto":
             what = "the embedded corpus" if p is None else f"the text file {p}"
-            raise ValueError(f"data.dtype: {dtype} applies to token files (.bin) and prepared directories; {what} "
-                             "is read as bytes: leave data.dtype=auto")  # fmt: skip
+            raise ValueError(
+                f"data.dtype: {dtype} applies to token files (.bin) and prepared directories; {what} "
+                "is read as bytes: leave data.dtype=auto"
+            )
         corpus = _byte_corpus(p if p is None else _existing(p), vocab_size, val_fraction)
     for name, arr in (("train", corpus.train), ("validation", corpus.val)):
         if len(arr) <= seq_len + 1:
@@ -190,8 +192,10 @@ def read_meta(directory: Path) -> dict:
     meta = meta if isinstance(meta, dict) else {}
     vocab, dtype = meta.get("vocab_size"), meta.get("dtype")
     if not isinstance(vocab, int) or vocab <= 0 or dtype not in TOKEN_DTYPES:
-        raise ValueError(f"data.path: {path} needs a positive integer vocab_size and a dtype of "
-                         f"{' or '.join(TOKEN_DTYPES)}; got vocab_size={vocab!r}, dtype={dtype!r}")  # fmt: skip
+        raise ValueError(
+            f"data.path: {path} needs a positive integer vocab_size and a dtype of "
+            f"{' or '.join(TOKEN_DTYPES)}; got vocab_size={vocab!r}, dtype={dtype!r}"
+        )
     return meta
 
 
@@ -205,8 +209,10 @@ def _prepared_corpus(d: Path, vocab_size: int | None, dtype: str) -> Corpus:
             "data.vocab_size unset for a prepared directory (it is read from meta.json)"
         )
     if dtype not in ("auto", meta_dtype):
-        raise ValueError(f"data.dtype: {dtype}, but {d / META} says the tokens are {meta_dtype}; leave "
-                         "data.dtype=auto for a prepared directory")  # fmt: skip
+        raise ValueError(
+            f"data.dtype: {dtype}, but {d / META} says the tokens are {meta_dtype}; leave "
+            "data.dtype=auto for a prepared directory"
+        )
     splits = {}
     for split in ("train", "val"):
         f = d / f"{split}.bin"
@@ -215,11 +221,14 @@ def _prepared_corpus(d: Path, vocab_size: int | None, dtype: str) -> Corpus:
         splits[split] = read_tokens(f, meta_dtype, vocab, meta=d / META)
         expected = meta.get("tokens", {}).get(split) if isinstance(meta.get("tokens"), dict) else None
         if isinstance(expected, int) and expected != len(splits[split]):
-            raise ValueError(f"data.path: {f} holds {len(splits[split])} tokens, but {d / META} says {expected}: the "
-                             "directory is incomplete or mixed up; run `trainer prepare` again")  # fmt: skip
+            raise ValueError(
+                f"data.path: {f} holds {len(splits[split])} tokens, but {d / META} says {expected}: the "
+                "directory is incomplete or mixed up; run `trainer prepare` again"
+            )
     desc = f"{meta_dtype} tokens of {meta.get('tokenizer', 'an unnamed tokenizer')} ({d})"
-    return Corpus(train=splits["train"], val=splits["val"], vocab_size=vocab, description=desc,
-                  eos_id=meta.get("eos_id"))  # fmt: skip
+    return Corpus(
+        train=splits["train"], val=splits["val"], vocab_size=vocab, description=desc, eos_id=meta.get("eos_id")
+    )
 
 
 def read_tokens(path: Path, dtype: str, vocab_size: int, meta: Path | None = None) -> np.ndarray:
@@ -235,17 +244,23 @@ def read_tokens(path: Path, dtype: str, vocab_size: int, meta: Path | None = Non
     item = np.dtype(TOKEN_DTYPES[dtype]).itemsize
     size = path.stat().st_size
     if size % item:
-        fix = ("set data.dtype to the dtype the file was written in" if meta is None
-               else f"it does not match {meta}; run `trainer prepare` again")  # fmt: skip
-        raise ValueError(f"data.path: {path} is {size} bytes, not a whole number of {dtype} tokens ({item} bytes "
-                         f"each); {fix}")  # fmt: skip
+        fix = (
+            "set data.dtype to the dtype the file was written in"
+            if meta is None
+            else f"it does not match {meta}; run `trainer prepare` again"
+        )
+        raise ValueError(
+            f"data.path: {path} is {size} bytes, not a whole number of {dtype} tokens ({item} bytes each); {fix}"
+        )
     if size == 0:
         return np.zeros(0, dtype=TOKEN_DTYPES[dtype])
     tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
     largest = max_token(tokens)
     if largest >= vocab_size:
-        raise ValueError(f"data.path: {path} holds token id {largest}, outside the vocabulary of {vocab_size} "
-                         f"tokens (ids 0..{vocab_size - 1}); {_range_fix(largest, dtype, meta)}")  # fmt: skip
+        raise ValueError(
+            f"data.path: {path} holds token id {largest}, outside the vocabulary of {vocab_size} "
+            f"tokens (ids 0..{vocab_size - 1}); {_range_fix(largest, dtype, meta)}"
+        )
     return tokens
 
 
@@ -254,8 +269,10 @@ def _range_fix(largest: int, dtype: str, meta: Path | None) -> str:
     if meta is not None:
         return f"the file does not match {meta}; run `trainer prepare` again"
     other = "uint16" if dtype == "uint32" else "uint32"
-    return (f"set data.vocab_size to the vocabulary the file was tokenized with (at least {largest + 1}), or "
-            f"data.dtype={other} if the file holds {other} tokens")  # fmt: skip
+    return (
+        f"set data.vocab_size to the vocabulary the file was tokenized with (at least {largest + 1}), or "
+        f"data.dtype={other} if the file holds {other} tokens"
+    )
 
 
 def max_token(tokens: np.ndarray) -> int:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer import build, memory, plan, rundir
+from trainer import build, console, memory, plan, rundir
 from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer
 from trainer.compile import cache
 from trainer.compile.report import RecompileLimitError
@@ -57,7 +57,7 @@ class Trainer:
             dist_env.teardown(env, failed=sys.exc_info()[0] is not None)  # an exception on its way out
 
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
-        device, say = env.device, (lambda m: m and print(m, flush=True)) if env.is_main else None
+        device = env.device
         resolved = plan.resolve(self.cfg, env)  # every auto, once: the compile switches the fastest path here
         cfg, run_dir = resolved.cfg, Path(resolved.cfg.run.dir)
         build.set_up_process(cfg)  # the seeds, train.threads
@@ -65,16 +65,16 @@ class Trainer:
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip
         batches = build.batches(cfg, corpus, env)
-        self.raw_model = raw_model = build.make_model(resolved, corpus.vocab_size, env, say)
+        self.raw_model = raw_model = build.make_model(resolved, corpus.vocab_size, env)
         resolved = resolved.placed(raw_model)  # the bucket plan or the FSDP units
         if env.is_main:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             resolved.write(run_dir)  # config.yaml and plan.json
-            say(memory.startup_note(self.cfg, raw_model, env.world_size, resolved.device_memory))  # None on CPU
+            memory.say_startup_note(self.cfg, raw_model, env.world_size, resolved.device_memory)  # none on CPU
         if compiling := cfg.compile.enabled or cfg.compile.autograd:
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
         if resolved.strategy.fsdp:
-            build.shard(raw_model, resolved, env, say=say)
+            build.shard(raw_model, resolved, env)
         opt = build.make_optimizer(raw_model, resolved)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
         scaler = build.grad_scaler(resolved.autocast, device)
@@ -85,12 +85,12 @@ class Trainer:
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
                           tensorboard=cfg.log.tensorboard, start_step=progress.step)  # fmt: skip
-        model, self.splitter = build.wrap(raw_model, resolved, env, say=metrics.print, opt=opt)
-        train_step = build.train_step(model, raw_model, opt, scaler, resolved, env, say=metrics.print)
+        model, self.splitter = build.wrap(raw_model, resolved, env, opt=opt)
+        train_step = build.train_step(model, raw_model, opt, scaler, resolved, env)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
-        metrics.print(build.describe_run(resolved, raw_model, corpus, tokens_per_step))
-        metrics.print(build.describe_path(resolved, opt))
-        watcher = build.compile_watcher(cfg, say=metrics.print, model=raw_model)
+        console.info(build.describe_run(resolved, raw_model, corpus, tokens_per_step))
+        console.info(build.describe_path(resolved, opt))
+        watcher = build.compile_watcher(cfg, model=raw_model)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
             """What every step's numbers must pass once read: few recompiles, a finite loss (on every rank)."""
@@ -127,7 +127,7 @@ class Trainer:
                     log.timer.restart()  # evaluation and saving are not training time
                 if due.stop:
                     saved = f"checkpoint saved: {ckpts.last}" if due.save else "checkpoint.enabled=false: nothing saved"
-                    metrics.print(f"[yellow]stopped {due.stop} at step {step}; {saved}[/yellow]")
+                    console.warn(f"stopped {due.stop} at step {step}; {saved}")  # short of train.steps
                     break
             log.write(log.read())
         finally:

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainer import console
 from trainer.config import Config, to_dict
 
 MODES = ("none", "selective", "full")
@@ -316,6 +317,15 @@ class LiveBytes(TorchDispatchMode):
         self.live -= n
 
 
+def say_startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int | None) -> None:
+    """Say :func:`startup_note`'s line, as a warning when it is one."""
+    note = startup_note(cfg, model, world, device_memory)
+    if note and note.startswith("warning: "):
+        console.warn(note.removeprefix("warning: "))
+    else:
+        console.info(note)
+
+
 def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int | None) -> str | None:
     """The line ``trainer fit`` prints before step 1 (None on the CPU): the predicted peak per rank against what the
     device allows, with a warning when it exceeds it. The activations come from the measurements of ``trainer
@@ -382,15 +392,15 @@ def cpu_peak(cfg: Config, mode: str, micro_batch: int, vocab_size: int, parts: d
     cfg.train.device = "cpu"
     p = plan.one_process(cfg, "cpu")
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=p.device, backend=None)
-    quiet = lambda *_: None  # noqa: E731
     torch.manual_seed(0)
-    model = build.make_model(p, vocab_size, env)
-    opt = build.make_optimizer(model, p)
-    wrapped, _ = build.wrap(model, p, env, say=quiet, opt=opt)
-    step = build.train_step(wrapped, model, opt, None, p, env, say=quiet)
-    x = torch.randint(0, vocab_size, (micro_batch, cfg.data.seq_len))
-    batch = lambda _i: (x, x)  # noqa: E731
-    step(batch)  # the first step creates the gradients and the optimizer state
+    with console.quiet():  # a probe: what building and stepping the model would say is the run's to say
+        model = build.make_model(p, vocab_size, env)
+        opt = build.make_optimizer(model, p)
+        wrapped, _ = build.wrap(model, p, env, opt=opt)
+        step = build.train_step(wrapped, model, opt, None, p, env)
+        x = torch.randint(0, vocab_size, (micro_batch, cfg.data.seq_len))
+        batch = lambda _i: (x, x)  # noqa: E731
+        step(batch)  # the first step creates the gradients and the optimizer state
     before = _storage_bytes(existing(model, opt))
     grads = {}  # each parameter's gradient as the backward leaves it (the step may drop them after the update)
     hooks = [q.register_post_accumulate_grad_hook(lambda q: grads.__setitem__(q, q.grad)) for q in model.parameters()]
@@ -401,7 +411,7 @@ def cpu_peak(cfg: Config, mode: str, micro_batch: int, vocab_size: int, parts: d
         return update(*args, **kwargs)
 
     opt.step = step_after_backward
-    with LiveBytes("cpu") as live:
+    with console.quiet(), LiveBytes("cpu") as live:
         step(batch)
     opt.step = update
     for h in hooks:

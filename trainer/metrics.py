@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from trainer import console
 from trainer.checkpoint import fault_point
 from trainer.distributed.env import per_rank
 from trainer.io import atomic_write_text
@@ -121,7 +119,6 @@ class Metrics:
 
     def __init__(self, run_dir: Path | None, *, total_steps: int, progress: bool, tensorboard: bool, start_step=0):
         self.enabled = run_dir is not None
-        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
         self._jsonl = None
         self._tb = None
         self._progress = None
@@ -129,10 +126,12 @@ class Metrics:
             return
         dropped = drop_rows_after(run_dir / "metrics.jsonl", start_step)
         if dropped:
-            why = ("written after the checkpoint it resumes from" if start_step else
-                   "written by an earlier start that stopped before its first checkpoint")  # fmt: skip
-            self.print(f"[yellow]metrics.jsonl: dropped {dropped} past step {start_step}, where this run "
-                       f"continues ({why})[/yellow]")  # fmt: skip
+            why = (
+                "written after the checkpoint it resumes from"
+                if start_step
+                else "written by an earlier start that stopped before its first checkpoint"
+            )
+            console.warn(f"metrics.jsonl: dropped {dropped} past step {start_step}, where this run continues ({why})")
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: a crash loses nothing
         if tensorboard:
             try:
@@ -141,32 +140,16 @@ class Metrics:
                 msg = "log.tensorboard: needs the tensorboard package: pip install 'trainer[tensorboard]'"
                 raise ValueError(msg) from None
             self._tb = SummaryWriter(str(run_dir / "tb"))
-        if progress and sys.stderr.isatty():
-            self._progress = Progress(
-                TextColumn("[bold]step"),
-                MofNCompleteColumn(),
-                BarColumn(),
-                TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
-            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
-            self._progress.start()
-
-    def print(self, msg: str) -> None:
-        if self.enabled:
-            self.console.print(msg)
+        if progress:
+            self._progress = console.progress(total_steps, start_step)  # None unless stderr is a terminal
 
     def advance(self, step: int, loss: float | None = None, tokens_per_s: float | None = None) -> None:
         if self._progress is not None:
-            fields = {}
-            if loss is not None:
-                fields["loss"] = f"{loss:.4f}"
-            if tokens_per_s is not None:
-                fields["tps"] = fmt_si(tokens_per_s)
-            self._progress.update(self._task, completed=step, **fields)
+            self._progress.update(
+                step,
+                loss=None if loss is None else f"{loss:.4f}",
+                tps=None if tokens_per_s is None else fmt_si(tokens_per_s),
+            )
 
     def log(self, record: dict[str, Any], *, echo: bool = True, compiled: bool = False) -> None:
         """Append one record (it must hold ``step``) to every sink; ``compiled``: the first step was the compile."""
@@ -179,11 +162,11 @@ class Metrics:
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(f"train/{k}" if not k.startswith("val") else k, v, record["step"])
         if echo:
-            self.print(summary_line(record, compiled))
+            console.info(summary_line(record, compiled))
 
     def close(self) -> None:
         if self._progress is not None:
-            self._progress.stop()
+            self._progress.close()
             self._progress = None
         if self._jsonl is not None:
             self._jsonl.close()
@@ -278,8 +261,10 @@ def copy_to_host(*values):
 
     present = [v for v in values if isinstance(v, torch.Tensor)]
     if not present or present[0].device.type != "cuda":  # read now: a buffer may be reused by the next step
-        got = [value(v, iter(v.detach().float().reshape(-1).tolist()) if isinstance(v, torch.Tensor) else None)
-               for v in values]  # fmt: skip
+        got = [
+            value(v, iter(v.detach().float().reshape(-1).tolist()) if isinstance(v, torch.Tensor) else None)
+            for v in values
+        ]
         return lambda: got
     flat = torch.cat([v.detach().float().reshape(-1) for v in present])
     host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
@@ -323,9 +308,20 @@ class StepLog:
             not finite, under torchrun).
     """
 
-    def __init__(self, metrics: Metrics, *, env, start_step: int, last_step: int, log_every: int,
-                 tokens_per_step: int, flops_per_token: float, peak_flops: float | None, compiled: bool,
-                 check: Callable[[int, float, bool, list[int] | None], None]):  # fmt: skip
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        env,
+        start_step: int,
+        last_step: int,
+        log_every: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        compiled: bool,
+        check: Callable[[int, float, bool, list[int] | None], None],
+    ):
         self.metrics, self.env, self.start_step, self.last_step = metrics, env, start_step, last_step
         self.log_every, self.tokens_per_step, self.compiled, self.check = log_every, tokens_per_step, compiled, check
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -364,15 +360,22 @@ class StepLog:
             ranks, loss = [r for r, x in enumerate(loss) if not math.isfinite(x)], sum(loss) / len(loss)
         self.timer.tick(self.tokens_per_step, first=first)
         if p["out"].skipped:  # not finite, and not applied: train.on_nan=skip
-            self.metrics.print(f"[yellow]step {step}: non-finite loss or gradient norm; update skipped[/yellow]")
+            console.warn(f"step {step}: non-finite loss or gradient norm; update skipped")
         else:
             self.check(step, loss, first, ranks)
         self.metrics.advance(step, loss, self.timer.last_tps)
         if not (force or first or step % self.log_every == 0 or step == self.last_step):
             return None
         tps, step_time = self.timer.read()
-        record = {"step": step, "loss": loss, "lr": p["lr"], "grad_norm": grad_norm,
-                  "tokens_per_s": None if first else tps, "step_time": step_time, "tokens": p["tokens"]}  # fmt: skip
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": p["lr"],
+            "grad_norm": grad_norm,
+            "tokens_per_s": None if first else tps,
+            "step_time": step_time,
+            "tokens": p["tokens"],
+        }
         if first:
             record["first_step_s"] = step_time
         elif self.peak_flops is not None:
@@ -393,8 +396,13 @@ class StepLog:
 
     def summary(self, **extra) -> dict[str, Any]:
         """The run's summary: the last record's values, the timing over the run, ``extra``."""
-        out = {**self.last, "first_step_s": self.timer.first_step_s, "mean_tokens_per_s": self.timer.mean_tps,
-               "median_step_s": self.timer.median_step_s, **extra}  # fmt: skip
+        out = {
+            **self.last,
+            "first_step_s": self.timer.first_step_s,
+            "mean_tokens_per_s": self.timer.mean_tps,
+            "median_step_s": self.timer.median_step_s,
+            **extra,
+        }
         if self.env.device.type == "cuda":
             out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.env.device) / 1e9
         return out

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer import console
 from trainer.codec import Codec, load_tokenizer, parse_bpe, train_bpe
 from trainer.io import pid_alive
 
@@ -541,20 +542,25 @@ def _progress():
     """A rich progress display on a terminal; nothing otherwise."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-               TextColumn("{task.fields[docs]:,} documents"), TextColumn("{task.fields[tokens]:,} tokens"),
-               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())  # fmt: skip
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[docs]:,} documents"),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, disable=not sys.stdout.isatty()) as progress:
         yield progress
 
 
 def _summary(meta: dict, seconds: float, out: Path) -> None:
     docs, tokens = sum(meta["documents"].values()), sum(meta["tokens"].values())
-    print(
+    console.info(
         f"prepared {docs:,} documents ({meta['documents']['val']:,} val), {tokens:,} tokens "
-        f"({meta['tokens']['val']:,} val) in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s): {out}",
-        flush=True,
+        f"({meta['tokens']['val']:,} val) in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s): {out}"
     )
     if meta["documents"]["val"] == 0:
         why = "--val-fraction 0" if meta["val_fraction"] == 0 else "the corpus is one document"
-        print(f"note: val.bin is empty ({why}); `trainer fit` evaluates on it: give several documents", flush=True)
+        console.warn(f"val.bin is empty ({why}); `trainer fit` evaluates on it: give several documents")

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from trainer import console
 from trainer.distributed.env import DistEnv, every_rank, restart_warning
 from trainer.io import pid_alive
 
@@ -60,10 +61,6 @@ class RunDirError(ValueError):
     def __init__(self, message: str, *, all_ranks: bool = False):
         super().__init__(message)
         self.all_ranks = all_ranks
-
-
-def _note(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -109,8 +106,9 @@ def torchrun_restart() -> tuple[int | None, int | None]:
 
 
 @contextlib.contextmanager
-def claim(run_dir: Path, *, resume: str | None, overwrite: bool, env: DistEnv,
-          say: Callable[[str], None] = _note) -> Iterator[Start]:  # fmt: skip
+def claim(
+    run_dir: Path, *, resume: str | None, overwrite: bool, env: DistEnv, say: Callable[[str], None] = console.warn
+) -> Iterator[Start]:
     """Hold ``run_dir`` for the run inside the ``with``: refuse it if it holds another run (unless ``resume``, or
     ``overwrite``: then move that run aside), lock it against a second live run, unlock on the way out. Yields how
     the run starts (``resume=auto`` decided: see the module's docstring).
@@ -207,10 +205,18 @@ def _keeps_checkpoints(config: Path) -> bool:
 def record_start(run_dir: Path, start: Start, step: int, checkpoint: Path | None, world_size: int) -> None:
     """Append this start to ``<run_dir>/starts.jsonl`` (rank 0): when, fresh or resumed (the checkpoint and its
     step), ``resume=`` as asked, torchrun's restart count, the world size, the host and pid."""
-    row = {"started": _now(), "step": step, "checkpoint": str(checkpoint) if checkpoint else None,
-           "resume": start.asked, "again": start.again, "restart": start.restart,
-           "max_restarts": start.max_restarts, "world_size": world_size, "host": socket.gethostname(),
-           "pid": os.getpid()}  # fmt: skip
+    row = {
+        "started": _now(),
+        "step": step,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "resume": start.asked,
+        "again": start.again,
+        "restart": start.restart,
+        "max_restarts": start.max_restarts,
+        "world_size": world_size,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
     with open(run_dir / STARTS, "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -306,8 +312,15 @@ class RunLock:
                 self.path.parent.rmdir()
 
     def _create(self) -> bool:
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), "token": self.token,
-                "boot_id": _boot_id(), "proc_start": _proc_start(os.getpid()), "argv": sys.argv[:20]}  # fmt: skip
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": _now(),
+            "token": self.token,
+            "boot_id": _boot_id(),
+            "proc_start": _proc_start(os.getpid()),
+            "argv": sys.argv[:20],
+        }
         tmp = self.path.with_name(f"{LOCK}.{self.token}")
         tmp.write_text(json.dumps(info) + "\n")
         try:

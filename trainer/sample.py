@@ -14,13 +14,12 @@ stdout holds the prompt and its continuation, then a newline; stderr a one-line 
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from trainer import checkpoint
+from trainer import checkpoint, console
 from trainer.distributed.env import resolve_device
 
 
@@ -40,14 +39,22 @@ def main(args) -> int:
     meta = checkpoint.load_model_weights(path, model)
     model.to(device).eval()
     context = codec.encode(args.prompt) if args.prompt else _start(codec)
-    print(f"sampling {args.tokens} tokens from {path} (step {meta.get('step')})", file=sys.stderr, flush=True)
+    console.info(f"sampling {args.tokens} tokens from {path} (step {meta.get('step')})", stderr=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    new = generate(model, context, args.tokens, context_len=cfg.data.seq_len, vocab_size=codec.vocab_size,
-                   temperature=args.temperature, top_k=args.top_k, generator=generator)  # fmt: skip
+    new = generate(
+        model,
+        context,
+        args.tokens,
+        context_len=cfg.data.seq_len,
+        vocab_size=codec.vocab_size,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        generator=generator,
+    )
     if codec.eos_id is not None and codec.eos_id in new:
         new = new[: new.index(codec.eos_id)]
-        print(f"stopped at the end-of-text token after {len(new)} tokens", file=sys.stderr)
-    print(args.prompt + continuation(codec, context, new), flush=True)
+        console.info(f"stopped at the end-of-text token after {len(new)} tokens", stderr=True)
+    console.info(args.prompt + continuation(codec, context, new))
     return 0
 
 
@@ -78,8 +85,10 @@ def _run_codec(cfg, run: Path):
     try:
         return codec_for_data(cfg.data.path)
     except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"sample: {run} trained on data.path={cfg.data.path}, whose tokenizer is needed to turn "
-                      f"text into tokens and back: {e}") from None  # fmt: skip
+        raise type(e)(
+            f"sample: {run} trained on data.path={cfg.data.path}, whose tokenizer is needed to turn "
+            f"text into tokens and back: {e}"
+        ) from None
 
 
 def _checkpoint(spec: str, run: Path) -> Path:
@@ -105,11 +114,21 @@ def _run_model(cfg, run: Path) -> nn.Module:
     m = cfg.model
     try:
         return build_model(
-            preset=m.preset, vocab_size=data_vocab_size(cfg.data.path, cfg.data.vocab_size),
-            seq_len=cfg.data.seq_len, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
-            bias=m.bias, attention="auto", target=m.target, kwargs=dict(m.kwargs), hf=m.hf,
-            hf_overrides=dict(m.hf_overrides), pretrained=False,
-        )  # fmt: skip
+            preset=m.preset,
+            vocab_size=data_vocab_size(cfg.data.path, cfg.data.vocab_size),
+            seq_len=cfg.data.seq_len,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            n_embd=m.n_embd,
+            dropout=m.dropout,
+            bias=m.bias,
+            attention="auto",
+            target=m.target,
+            kwargs=dict(m.kwargs),
+            hf=m.hf,
+            hf_overrides=dict(m.hf_overrides),
+            pretrained=False,
+        )
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(f"sample: rebuilding the model of {run / 'config.yaml'}: {e}") from None
 
@@ -169,8 +188,10 @@ def next_logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: the model's forward needs targets, or returns no logits.
     """
-    expected = ("sampling calls forward(idx) without targets and expects the logits, (B, T, V), or a tuple "
-                "starting with them like nanoGPT's (logits, loss)")  # fmt: skip
+    expected = (
+        "sampling calls forward(idx) without targets and expects the logits, (B, T, V), or a tuple "
+        "starting with them like nanoGPT's (logits, loss)"
+    )
     try:
         out = model(idx)
     except TypeError as e:

@@ -79,9 +79,13 @@ class ModelConfig:
             return
         if self.target is not None:
             raise ConfigError("model.hf: model.hf and model.target name two different models; set one of them")
-        gpt_keys = {"n_layer": self.n_layer is not None, "n_head": self.n_head is not None,
-                    "n_embd": self.n_embd is not None, "dropout": self.dropout != 0.0,
-                    "bias": not self.bias}  # fmt: skip
+        gpt_keys = {
+            "n_layer": self.n_layer is not None,
+            "n_head": self.n_head is not None,
+            "n_embd": self.n_embd is not None,
+            "dropout": self.dropout != 0.0,
+            "bias": not self.bias,
+        }
         for key, chosen in gpt_keys.items():
             if chosen:
                 raise ConfigError(
@@ -359,11 +363,15 @@ def _check_shard_optimizer(cfg: Config) -> None:
         fsdp = " (fsdp shards the optimizer state with the parameters already)" if d.strategy == "fsdp" else ""
         why = f"needs distributed.strategy=ddp, got {d.strategy}{fsdp}"
     elif cfg.compile.autograd:
-        why = ("not with compile.autograd=true (the reduce-scatters are not traced into the backward graph); set "
-               "compile.autograd=false")  # fmt: skip
+        why = (
+            "not with compile.autograd=true (the reduce-scatters are not traced into the backward graph); set "
+            "compile.autograd=false"
+        )
     elif cfg.train.precision == "fp16":
-        why = ("not with train.precision=fp16 (its grad scaler unscales and checks whole gradients, which no rank "
-               "has); use bf16 or fp32")  # fmt: skip
+        why = (
+            "not with train.precision=fp16 (its grad scaler unscales and checks whole gradients, which no rank "
+            "has); use bf16 or fp32"
+        )
     elif cfg.optim.impl == "triton":
         why = (
             "not with optim.impl=triton (trainer's Triton optimizers move their parameters into flat buffers of "

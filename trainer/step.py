@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from trainer import console
 from trainer.distributed import env as dist_env
 from trainer.distributed.fsdp import is_sharded
 from trainer.distributed.sync import GradSync, NoSync
@@ -71,10 +72,10 @@ class StepOptimizer(Protocol):
     clips_grad_norm: bool
     """It clips inside its own step, with the norm :meth:`grad_norm` gives (the step clips for it otherwise)."""
     before_graph_replay: Callable[[], None] | None
-    """Called before a CUDA graph's capture and each replay (ours: the hyperparameters written to the device);
+    """Called before a CUDA graph's capture and each replay (``triton``: the hyperparameters written to the device);
     None: the optimizer is made capturable instead (torch's)."""
     after_graph_replay: Callable[[], None] | None
-    """Called after each replay (ours: the host's step count); None with ``before_graph_replay``."""
+    """Called after each replay (``triton``: the host's step count); None with ``before_graph_replay``."""
 
     def grad_norm(self) -> torch.Tensor:
         """The gradients' global norm, on the device (with ``clips_grad_norm``)."""
@@ -110,7 +111,6 @@ class TrainStep:
         backward_ctx: a factory of the context each micro-step runs in (compiled autograd), or None.
         fallback: on a compile failure, ``fallback(model, sync) -> (eager model, its sync)`` to go on with; None
             stops the run.
-        say: prints a line for the user (rank 0's console).
         sync: how the gradients reach the other ranks (:mod:`trainer.distributed.sync`); None: one process.
     """
 
@@ -129,7 +129,6 @@ class TrainStep:
         skip_non_finite: bool = False,
         backward_ctx: Callable | None = None,
         fallback: Callable | None = None,
-        say: Callable = print,
         sync: GradSync | None = None,
     ):
         self.model, self.raw_model, self.opt, self.env = model, raw_model, opt, env
@@ -138,7 +137,7 @@ class TrainStep:
         self.graphed = graphed and env.device.type == "cuda"
         self.skip_non_finite = skip_non_finite
         self.backward_ctx = backward_ctx or contextlib.nullcontext
-        self.fallback, self.say = fallback, say
+        self.fallback = fallback
         device = env.device
         self.autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else None
         self.scaler = scaler
@@ -203,9 +202,9 @@ class TrainStep:
 
             if self.fallback is None:
                 raise TrainingError(f"{compile_error_hint(e)}\nSet compile.fallback=eager to run eagerly.") from e
-            self.say(
-                "[bold red]compile failed; compile.fallback=eager: running this run eagerly (forward, backward "
-                f"and compiled autograd).[/bold red]\n{compile_error_hint(e)}"
+            console.warn(
+                "compile failed; compile.fallback=eager: running this run eagerly (forward, backward and compiled "
+                f"autograd).\n{compile_error_hint(e)}"
             )
             (self.model, self.sync), self.backward_ctx = self.fallback(self.model, self.sync), contextlib.nullcontext
             self.opt.zero_grad(set_to_none=True)
@@ -218,7 +217,9 @@ class TrainStep:
             from trainer.compile.graphed import GraphedStep
 
             self.graph = GraphedStep(self._graph_body, self.opt, self.raw_model.parameters(), xs, ys)
-            self.say(f"the whole step captured as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps, replayed")
+            console.info(
+                f"the whole step captured as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps, replayed"
+            )
         return StepOutput(*self.graph(xs, ys))
 
     def _reduce_and_clip(self) -> torch.Tensor | None:
@@ -252,8 +253,8 @@ def clip_gradients(model: nn.Module, opt, max_norm: float, clips_itself: bool, s
     if max_norm > 0 and scaler is None and _divides_by_grad_scale(opt, model):
         # torch's fused Adam/AdamW divide every gradient by `opt.grad_scale` inside their kernel (and
         # write it back): GradScaler's hook. Clipping through it saves clip_grad_norm_'s separate read and
-        # write of every gradient (0.37 ms of a 35 ms gpt2-small step on an H100). The divisor is
-        # 1 / clip_grad_norm_'s coefficient: the same clipped gradients to rounding.
+        # write of every gradient. The divisor is 1 / clip_grad_norm_'s coefficient: the same clipped gradients
+        # to rounding.
         opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)  # the kernel reads fp32
     elif max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import memory
+from trainer import console, memory
 from trainer.config import Config, load_config, to_yaml
 from trainer.memory import (
     GB,
@@ -104,7 +104,7 @@ class Runner:
     work: Path
     world: World = field(default_factory=World)
     deadline: float | None = None  # time.monotonic() past which a running candidate is stopped
-    say: object = print
+    say: object = console.info
     steps: int = STEPS
     log_every: int = LOG_EVERY
 
@@ -229,7 +229,7 @@ class Session:
     """The estimate and the runner of one ``tune`` or ``explain --memory``: the config as given, the counted parts,
     and the points measured (earlier ones from ``measured.json``, if ``reuse``)."""
 
-    def __init__(self, config: str, overrides: list[str], budget_s: float | None, reuse: bool, say=print):
+    def __init__(self, config: str, overrides: list[str], budget_s: float | None, reuse: bool, say=console.info):
         from trainer.data import load_corpus
 
         self.config, self.overrides, self.say = config, overrides, say
@@ -422,7 +422,7 @@ def _as_given(p: Point, cfg: Config) -> bool:
     )
 
 
-def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = False, say=print) -> int:
+def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = False, say=console.info) -> int:
     """``trainer tune``: measure, print the table, write ``CONFIG.tuned.yaml``. Returns the exit code."""
     world = World.from_env()
     world.join()
@@ -472,7 +472,7 @@ def larger_batch_hint(s: Session, best: Point) -> str | None:
     )
 
 
-def explain_memory(config: str, overrides: list[str], say=print) -> int:
+def explain_memory(config: str, overrides: list[str], say=console.info) -> int:
     """``trainer explain --memory``: the counted parts, then each mode probed (:func:`probe_modes`; on the CPU: one
     step in this process, its live tensor bytes counted), and the largest micro-batch of :data:`GRID` that fits."""
     cfg = load_config(config, overrides)

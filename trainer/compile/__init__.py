@@ -1,5 +1,6 @@
-"""The compile layer: capture (:mod:`~trainer.compile.capture`), our kernels substituted into the captured graphs
-(:mod:`~trainer.compile.passes`), compiled autograd, the graphed step, the compile report, cache and debugging aids.
+"""The compile layer: capture (:mod:`~trainer.compile.capture`), trainer's Triton kernels substituted into the
+captured graphs (:mod:`~trainer.compile.passes`), compiled autograd, the graphed step, the compile report, cache and
+debugging aids.
 
 ``compile_optimizer`` (:mod:`trainer.optim.compiled`) works on its own, in any training loop::
 

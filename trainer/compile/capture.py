@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from trainer import console
+
 # Inductor options the trainer sets unless compile.inductor_options says otherwise; each one measured. Options
 # passed this way win over torch._inductor.config and its TORCHINDUCTOR_* environment variables.
 DEFAULT_INDUCTOR_OPTIONS = {
     # Off: Inductor's "mix-order" reduction (torch >= 2.10) fuses each LayerNorm's weight/bias gradient reduction
-    # into the input-gradient kernel plus a small per-column reduction kernel; on gpt2-small (B=16, T=1024, bf16,
-    # graphed step) on an H100 the step ran at 483K tokens/s without it and 476K with it, and in a second run 480K
-    # and 475K. With the
-    # LayerNorms on our kernels, two rounds: 503K/502K with it, 505K/503K without (docs/performance.md).
+    # into the input-gradient kernel plus a small per-column reduction kernel; the whole step is no faster with it,
+    # with Inductor's LayerNorms or with trainer's add_layer_norm (docs/performance.md, "Tried and not kept").
     "triton.mix_order_reduction": False,
 }
 
@@ -93,18 +93,24 @@ def inductor_options(mode: str = "default", user: dict | None = None, dynamic: b
     return options
 
 
-KERNEL_OPS = ("add_layer_norm", "add_layer_norm_backward", "add_rms_norm", "add_rms_norm_backward",
-              "linear_cross_entropy", "linear_cross_entropy_saved")  # fmt: skip
-"""Our ``torch.library`` ops (``trainer::<name>``), for :func:`register_kernel_fallbacks`."""
+KERNEL_OPS = (
+    "add_layer_norm",
+    "add_layer_norm_backward",
+    "add_rms_norm",
+    "add_rms_norm_backward",
+    "linear_cross_entropy",
+    "linear_cross_entropy_saved",
+)
+"""trainer's ``torch.library`` ops (``trainer::<name>``), for :func:`register_kernel_fallbacks`."""
 
 
 def register_kernel_fallbacks() -> list[str]:
-    """Register our ops with Inductor as fallback kernels up front, the way Inductor registers an op it has no
+    """Register trainer ops with Inductor as fallback kernels up front, the way Inductor registers an op it has no
     lowering for the first time it meets it (an "implicit fallback": same layout constraint); returns the names
     registered now.
 
     Why: torch 2.11 writes the op's arguments into a log message when it creates an implicit fallback, whether
-    or not the message is logged, and the text of an argument doubles with every one of our ops it depends on
+    or not the message is logged, and the text of an argument doubles with every ``trainer::`` op it depends on
     (each printed with all of its inputs). The gpt2-small loss op, first met after 25 add_layer_norm ops, kept
     the forward's compile busy for minutes on an H100 (a 2-layer model compiled in 17 s). torch 2.13 formats
     the message lazily. Where Inductor's internals moved, nothing is registered and Inductor does it itself.
@@ -139,8 +145,8 @@ def compile_kwargs(
 ) -> dict:
     """``torch.compile``'s keyword arguments; with Inductor, ``mode`` goes in as its options (:func:`inductor_options`),
     so the trainer's defaults and the user's options combine with any mode. With ``kernels`` (names of
-    :data:`trainer.compile.passes.KERNEL_NAMES`), the backend is :func:`inner_backend`: our kernels substituted
-    first."""
+    :data:`trainer.compile.passes.KERNEL_NAMES`), the backend is :func:`inner_backend`: trainer's kernels
+    substituted first."""
     kwargs = dict(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     if backend != "inductor":
         if mode != "default":
@@ -163,7 +169,7 @@ def inner_backend(
     dynamic: bool | None = None,
 ) -> Callable:
     """A Dynamo backend callable: ``backend`` by name (Inductor with ``mode``'s options, the trainer's defaults and
-    ``options``), with our ``kernels`` substituted into each graph before it (:mod:`trainer.compile.passes`).
+    ``options``), with trainer's ``kernels`` substituted into each graph before it (:mod:`trainer.compile.passes`).
     The distributed layer's graph splitter hands each piece to it."""
     from trainer.compile.passes.substitute import substituting
 
@@ -211,7 +217,7 @@ class LossOnly(nn.Module):
         return loss_of(self.model(idx, targets))
 
 
-def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module, cfg, say=None, backend=None, hooks_outside: bool = False) -> nn.Module:
     """Compile ``model`` as ``cfg`` (the ``compile`` config section) says; returns the module to call.
 
     ``hooks_outside`` (``scope: blocks`` only) compiles each block's ``forward`` instead of its
@@ -221,10 +227,13 @@ def apply_compile(model: nn.Module, cfg, say=print, backend=None, hooks_outside:
 
     With ``scope: model`` the returned module is the ``torch.compile`` wrapper of :class:`LossOnly` around the
     model (which returns the loss alone); with ``scope: blocks`` the model itself, its blocks compiled in place and,
-    with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph.
+    with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph. ``say`` gets the line
+    for an option that cannot take effect (default: :func:`trainer.console.info`).
     """
-    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options),
-                            enabled_kernels(cfg))  # fmt: skip
+    say = say or console.info
+    kwargs = compile_kwargs(
+        cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options), enabled_kernels(cfg)
+    )
     if backend is not None:
         kwargs.pop("options", None)  # the splitter applies them (and the kernels) to each piece
         kwargs["backend"] = backend

@@ -10,7 +10,7 @@ What makes the replay equal to the ungraphed step:
 
 - The optimizer runs with ``capturable=True`` and its learning rate in a device tensor, so the
   schedule's new value each step (``LRScheduler`` writes a tensor ``lr`` with ``fill_``) is read by
-  the replayed kernels; the step counter lives on the device as well. Our Triton AdamW
+  the replayed kernels; the step counter lives on the device as well. trainer's Triton AdamW
   (``optim.impl=triton``) keeps its hyperparameters on the device anyway: its ``before_graph_replay``
   writes a changed lr there before each replay, and ``after_graph_replay`` counts the step on the host.
 - Gradients are allocated inside the capture (they are None before it) from the graph's memory
@@ -27,10 +27,9 @@ in the graph what they launched: each bucket's NCCL all-reduce (of its gradients
 flat copy where one is needed) on NCCL's stream (forked from and joined back into the captured
 stream by events, as in an eager step), and the wait before the gradients are read. Every rank
 captures the same collectives in the same order, so the replays pair up. What it saves is host work
-(~150 Python gradient hooks, the graph pieces' wrappers, the all-reduce launches): on 2 H200s with
-GPT-2 124M the host kept ahead of the GPU without it, and the graphed step ran at the ungraphed
-speed (473K vs 472K tokens/s per GPU); it pays where
-the host is the bottleneck.
+(Python gradient hooks, the graph pieces' wrappers, the all-reduce launches): where the host keeps
+ahead of the GPU without it (GPT-2 124M under ddp), the graphed step runs at the ungraphed speed; it
+pays where the host is the bottleneck.
 
 Not supported (refused by the config): fp16 with a grad scaler (its skip-step logic reads the host),
 ``train.on_nan=skip`` (the step is inside the graph), FSDP (its hooks run Python between kernels),
@@ -127,14 +126,14 @@ class GraphedStep:
         step_fn: ``step_fn(xs, ys) -> (loss, grad_norm)``: runs every micro-batch's forward and
             backward (``xs[i]``, ``ys[i]``), clips and steps the optimizer. It must not synchronise
             with the host.
-        opt: the optimizer ``step_fn`` steps (:class:`trainer.step.StepOptimizer`): ours bring their replay hooks,
+        opt: the optimizer ``step_fn`` steps (:class:`trainer.step.StepOptimizer`): ``triton`` brings its replay hooks,
             torch's (hooks None) are made capturable here.
         xs, ys: the first batch to run, ``(grad_accum, micro_batch, seq_len)``; their shapes and
             dtypes are the static buffers'.
     """
 
     def __init__(self, step_fn: Callable, opt: torch.optim.Optimizer, params, xs: torch.Tensor, ys: torch.Tensor):
-        # Our Triton optimizers keep their hyperparameters on the device already: they are written before each
+        # trainer's Triton optimizers keep their hyperparameters on the device already: they are written before each
         # replay (a schedule's new lr) and the host counts the replays' steps; torch's are made capturable.
         self._before, self._after = opt.before_graph_replay, opt.after_graph_replay
         if self._before is None:

@@ -434,7 +434,7 @@ class CompileWatcher:
             "compile_time_s": {**phases, "total": round(sum(c["compile_time_s"] for c in self._compiles), 6)},
             "cache": {k: delta(g, k) for g, keys in CACHE_COUNTERS.items() for k in keys},
             "compiled_autograd_captures": delta("compiled_autograd", "captures"),
-            # Our kernels substituted into the graphs (trainer/compile/passes/), and the near-misses left alone.
+            # The kernels substituted into the graphs (trainer/compile/passes/), and the near-misses left alone.
             "kernels": LOG.report(),
             "kernel_near_misses": [{"name": n, "source": src, "reason": r} for n, src, r in LOG.near_misses],
             # Frames Dynamo gave up on (a break it cannot resume from, or an error suppressed): they run eagerly.
@@ -517,8 +517,9 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
         lines.append(f"Not compiled, runs eagerly: {f['function']}{where} [{f['compile_id']}]: {_summary(f['error'])}")
     lines += _kernel_lines(report.get("kernels", []), report.get("kernel_near_misses", []), verbose)
     if fp8 := report.get("fp8"):
-        lines.append(f"fp8 ({fp8['recipe']}): {len(fp8['converted'])} linears in float8, {len(fp8['left_out'])} in "
-                     "bf16")  # fmt: skip
+        lines.append(
+            f"fp8 ({fp8['recipe']}): {len(fp8['converted'])} linears in float8, {len(fp8['left_out'])} in bf16"
+        )
         if verbose:
             lines += [f"  float8: {name}" for name in fp8["converted"]]
             lines += [f"  bf16: {x['name']} ({x['why']})" for x in fp8["left_out"]]
@@ -526,8 +527,10 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
             firsts: dict[str, list] = {}
             for x in fp8["left_out"]:
                 firsts.setdefault(x["why"], []).append(x["name"])
-            lines += [f"  bf16, {why}: {len(names)} ({names[0]}{', ...' if len(names) > 1 else ''})"
-                      for why, names in firsts.items()]  # fmt: skip
+            lines += [
+                f"  bf16, {why}: {len(names)} ({names[0]}{', ...' if len(names) > 1 else ''})"
+                for why, names in firsts.items()
+            ]
     return "\n".join(lines)
 
 

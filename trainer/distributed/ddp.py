@@ -13,21 +13,21 @@ traced by Dynamo into the one backward graph. Eagerly it reduces the gradients w
 one coalesced all-reduce over the bucket's ``.grad`` tensors (``allreduce_coalesced``; NCCL runs
 the group as one kernel), no copy, unless a gradient is a view of memory the backward still reads
 (:meth:`DataParallel._in_place_ok`). Flattening first (``torch.cat``) would read and write every
-gradient byte once more, ~1 GB of memory traffic per step for GPT-2 124M: 0.5 ms of a 35 ms step
-on two H200s. A bucket is flattened only when it must be: ``reduce_dtype`` narrower than the
+gradient byte once more (for GPT-2 124M about a gigabyte of memory traffic a step). A bucket is
+flattened only when it must be: ``reduce_dtype`` narrower than the
 gradients (the cast needs a buffer), or under compiled autograd, where the functional all-reduce
 of the flat bucket is what Dynamo can put in the graph (the all-reduces are then nodes of the
 compiled backward and the waits sit at its end); the gradients become views of the reduced
 buffer. (torch's own ``optimize_ddp="python_reducer"``
 issues one collective per parameter and leaves bucketing to Inductor passes that only run under
-Inductor; ours are the plan's buckets on every backend.)
+Inductor; the buckets here are the plan's on every backend.)
 
 :class:`PlanSplitter` is the Dynamo backend that splits the forward graph at the plan's bucket
 boundaries. We reuse torch's DDPOptimizer machinery (``split_module`` plus its ``SubmodCompiler``,
 which compiles each piece with fake inputs) but not its bucket choice: DDPOptimizer counts bytes
 in reverse graph order against a cap and cannot be given buckets, so its pieces need not match
-any reducer's buckets (the C++ reducer even rebuilds its buckets after the first step). Ours
-starts a piece at the first forward use of a bucket's parameters, so the backward of piece ``k``
+any reducer's buckets (the C++ reducer even rebuilds its buckets after the first step). The splitter
+here starts a piece at the first forward use of a bucket's parameters, so the backward of piece ``k``
 completes exactly bucket ``n-1-k``, whose all-reduce then overlaps the backward of the pieces
 before it.
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -48,9 +47,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _unflatten_dense_tensors
 
+from trainer import console
 from trainer.distributed.buckets import BucketPlan
-
-log = logging.getLogger(__name__)
 
 
 class DataParallel(nn.Module):
@@ -235,11 +233,11 @@ class DataParallel(nn.Module):
         missing = [n for n, p in zip(bucket.names, bucket.params) if p.grad is None]
         if missing and bucket.index not in self._warned_late:  # complete buckets queued behind it say nothing
             self._warned_late.add(bucket.index)
-            log.warning(
-                "bucket %d: %d parameter(s) got no gradient this step (%s); the bucket is reduced after the "
-                "backward, without overlap",
-                bucket.index, len(missing), ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""),
-            )  # fmt: skip
+            names = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+            console.warn(
+                f"bucket {bucket.index}: {len(missing)} parameter(s) got no gradient this step ({names}); the bucket "
+                "is reduced after the backward, without overlap"
+            )
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -308,7 +306,7 @@ class PlanSplitter:
         order = [b for piece in pieces for b in piece]
         if any(len(p) > 1 for p in pieces) or order != sorted(order, reverse=True):
             if not self.misaligned:
-                log.warning("graph pieces do not follow the bucket plan (%s); overlap may suffer", pieces)
+                console.warn(f"graph pieces do not follow the bucket plan ({pieces}); overlap may suffer")
             self.misaligned = True
         self.pieces.append(pieces)
         if len(starts) <= 1:
@@ -324,7 +322,7 @@ class PlanSplitter:
 
 
 def _split_and_compile(gm, example_inputs, partition, inner, compiler_configs):
-    """torch DDPOptimizer's second half (``torch/_dynamo/backends/distributed.py``), fed our partition."""
+    """torch DDPOptimizer's second half (``torch/_dynamo/backends/distributed.py``), fed the plan's partition."""
     from torch._dynamo.backends import distributed as ddpo
     from torch._dynamo.utils import detect_fake_mode
     from torch.fx.passes.split_module import split_module

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainer import console
 from trainer.io import pid_alive
 
 
@@ -89,7 +90,7 @@ def print_error(e: BaseException, prefix: str = "trainer: error") -> None:
     rank = os.environ.get("RANK", "0")
     if getattr(e, "all_ranks", False) and rank != "0":
         return
-    print(f"{prefix}: {e}" if rank == "0" else f"{prefix} (rank {rank}): {e}", file=sys.stderr, flush=True)
+    console.error(f"{prefix}: {e}" if rank == "0" else f"{prefix} (rank {rank}): {e}")
 
 
 def await_launcher(wait_s: float = 5.0, terminated: bool = False) -> None:
@@ -248,7 +249,9 @@ class StopSignals:
             raise KeyboardInterrupt
         self.requested = True
         again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
-        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint{again}", flush=True)
+        console.info(
+            f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint{again}", every_rank=True
+        )
 
     def __enter__(self) -> StopSignals:
         try:

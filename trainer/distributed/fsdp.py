@@ -8,8 +8,8 @@ block's compute compiled.
 Units: the blocks are grouped as the bucket plan packs them (:mod:`trainer.distributed.buckets`,
 whole blocks up to ``distributed.fsdp_unit_mb``), one ``fully_shard`` unit per group, so one all-gather
 and one reduce-scatter per group rather than per block. FSDP2's hooks cost host time per unit and per
-collective, and a small model's step is host-bound (2 H200s, GPT-2 124M: the GPU idle 25 of 35 ms
-with a unit per block; docs/performance.md). What is not in a block (embeddings,
+collective, and a small model's step is host-bound (GPT-2 124M with a unit per block leaves the GPU idle
+most of the step; docs/performance.md). What is not in a block (embeddings,
 final norm, head) stays with the root.
 
 The model is built whole by rank 0 alone (on its GPU, where it fits: ``trainer.build.make_model``); the other

@@ -33,12 +33,30 @@ aten = torch.ops.aten
 
 # Ops whose output holds the values of their first tensor argument (a view, a copy, a cast, a broadcast).
 _CARRY = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default, aten.slice.Tensor,
-    aten.select.int, aten.clone.default, aten._to_copy.default, aten.detach.default, aten.alias.default,
-    aten.t.default, aten.transpose.int, aten.permute.default, aten.repeat.default, aten.flatten.using_ints,
-    aten.lift_fresh.default, aten.contiguous.default, aten.expand_as.default, aten.view_as.default,
-}  # fmt: skip
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.repeat.default,
+    aten.flatten.using_ints,
+    aten.lift_fresh.default,
+    aten.contiguous.default,
+    aten.expand_as.default,
+    aten.view_as.default,
+}
 _ADD = {aten.add.Tensor, aten.add.Scalar}
 # A value the forward reads (``.item()``, ``bool(t)``) has none on meta. It is answered as one sequence of fresh
 # positions answers the tests models make of it (transformers asks whether the positions restart: no, True).
@@ -178,8 +196,10 @@ def check_model_fits(model: nn.Module, seq_len: int, vocab_size: int) -> Fit:
         if index.largest < rows:
             continue
         if index.kind == "tokens":
-            line = (f"the model's token table {name} holds {rows} tokens; the data's vocabulary is {vocab_size} "
-                    f"(token ids up to {vocab_size - 1})")  # fmt: skip
+            line = (
+                f"the model's token table {name} holds {rows} tokens; the data's vocabulary is {vocab_size} "
+                f"(token ids up to {vocab_size - 1})"
+            )
         else:
             line = f"the model's position table {name} holds {rows} positions; data.seq_len is {index.largest + 1}"
         fit.problems.append((index.kind, line))

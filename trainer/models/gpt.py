@@ -1,7 +1,7 @@
 """A GPT in the shape of nanoGPT: learned positions, pre-LN blocks, causal SDPA attention, tied head.
 
-Plain PyTorch: our kernels reach it as they reach any model, through the compile layer's graph substitution
-(:mod:`trainer.compile.passes`)."""
+Plain PyTorch: trainer's Triton kernels reach it as they reach any model, through the compile layer's graph
+substitution (:mod:`trainer.compile.passes`)."""
 
 from __future__ import annotations
 

@@ -235,8 +235,9 @@ def _instantiate(transformers, name: str, config, pretrained: bool, kwargs: dict
             raise _NoSDPA from None
         raise ValueError(f"model.hf: {name}: {_first_line(e)}") from None
     except RuntimeError as e:  # the weights' shapes do not fit a config changed by model.hf_overrides
-        raise ValueError(f"model.hf_overrides: the weights of '{name}' do not fit the changed config: "
-                         f"{_first_line(e)}") from None  # fmt: skip
+        raise ValueError(
+            f"model.hf_overrides: the weights of '{name}' do not fit the changed config: {_first_line(e)}"
+        ) from None
     except AssertionError as e:  # a config whose fields disagree (torch's modules assert on their arguments)
         what = f"AssertionError: {_first_line(e)}" if str(e) else "AssertionError"
         raise ValueError(

@@ -37,11 +37,17 @@ def _aten(*names: str) -> frozenset:
 
 
 SAVED_OPS = _aten(
-    "mm", "addmm", "bmm", "linear",  # linear is composite, decomposed to (add)mm before dispatch; kept in case
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_mm", "max",  # train.precision=fp8: the float8 matmuls, and the amaxes their scales come from
-)  # fmt: skip
+    "mm",
+    "addmm",
+    "bmm",
+    "linear",  # linear is composite, decomposed to (add)mm before dispatch; kept in case
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_mm",
+    "max",  # train.precision=fp8: the float8 matmuls, and the amaxes their scales come from
+)
 """What ``selective`` keeps: the matmuls' and attention's outputs (attention's include its logsumexp, which its
 backward reads); under fp8 the float8 matmuls' outputs and the amax reductions (scalars) of the dynamic scales."""
 

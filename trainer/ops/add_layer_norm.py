@@ -4,10 +4,9 @@ A pre-LN transformer computes, twice per block, ``s = x + f(h)`` (the residual s
 autocast, plus a bf16 branch output) and ``h = LayerNorm(s)`` (cast to bf16 by the next matmul).
 Inductor fuses that forward into one kernel, but its partitioner saves the normalised
 ``(s - mean) * rstd`` (fp32) for the backward and never writes ``s``: every LayerNorm kernel
-re-adds the chain of bf16 branch outputs since the last saved sum, so on gpt2-small (H100, B=16,
-T=1024) the 24 forward kernels take 48, 60, 65 and 93 us in turn (1.61 ms a step, against 1.15 ms
-at 48 us each). Its backward is two passes: a reduction kernel for the per-row sums (27 us) and a
-second kernel reading everything again (62 us), 2.26 ms a step with the weight-gradient sums.
+re-adds the chain of bf16 branch outputs since the last saved sum, so each kernel of a block reads
+more than the one before it. Its backward is two passes: a reduction kernel for the per-row sums and a
+second kernel reading everything again (docs/performance.md, "Residual add + LayerNorm").
 
 This op writes ``s`` once and saves it (plus the per-row mean and 1/std) in place of the
 normalised tensor, the same bytes:
@@ -18,14 +17,14 @@ normalised tensor, the same bytes:
 - backward, one pass: read ``dy``, ``s`` and the gradient already flowing into ``s`` from later
   layers, write ``ds + LN'(dy)`` in x's dtype and again in inc's (what the residual and the branch
   each receive), and per program column partial sums for the weight and bias gradients, which a
-  second small kernel finishes (one launch for all of them: two torch ``sum(0)`` kernels took
-  0.37 ms of a 34 ms gpt2-small step, 50 launches of ~7 us).
+  second small kernel finishes (one launch for all of them, where two torch ``sum(0)`` kernels a
+  norm cost a launch each).
 
 ``inc_bias`` (optional) is the bias of the matmul that produced ``inc``, moved into this op: the
 forward adds it in fp32 and the backward's partial sums include ``dx``'s column sums, which is its
 gradient, so the separate reduction over the (tokens x width) gradient that the matmul's bias
 would cost in the backward goes away (the GPT does it for the attention projection: 12 of the 24
-such reductions, ~0.1 ms of the same step).
+such reductions).
 
 ``layer_norm`` is the same op without ``inc`` (the first block's norm). Both are ``torch.library``
 custom ops with fake implementations, so they compose with ``torch.compile(fullgraph=True)``.
@@ -174,8 +173,8 @@ def _use_triton(device: torch.device) -> bool:
 
 # Elements per tile (rows x padded columns) of each kernel on the GPU, and elements per warp; the interpreter
 # takes 64K-element tiles (it pays per program, not per element). scripts/bench_layer_norm.py sweeps these: at
-# gpt2-small's (16384, 768) on an H100 (docs/performance.md) the forward takes 53-54 us at every setting
-# (1.06x its floor), the backward 94 us at these (1.40x; 2.08-5.9x with 256-512 elements a warp).
+# gpt2-small's shape the forward is at its floor at every setting and the backward fastest at these; fewer
+# elements a warp slows it (docs/performance.md).
 TILE = {"fwd": 4096, "bwd": 4096}
 ELEMENTS_PER_WARP = {"fwd": 1024, "bwd": 1024}
 PROGRAMS_PER_SM = 2  # backward programs, each summing its rows' weight gradients
@@ -233,11 +232,25 @@ def _fwd_op(
         block_cols = triton.next_power_of_2(n_cols)
         block_rows = _block_rows(n_cols, "fwd")
         _add_ln_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x, inc if inc is not None else x, inc_bias if inc_bias is not None else weight, weight,
-            bias if bias is not None else weight, s, y, mean, rstd, n_rows, n_cols, eps,
-            HAS_INC=inc is not None, HAS_INC_BIAS=inc_bias is not None, HAS_BIAS=bias is not None,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=_num_warps(block_rows, block_cols, "fwd"),
-        )  # fmt: skip
+            x,
+            inc if inc is not None else x,
+            inc_bias if inc_bias is not None else weight,
+            weight,
+            bias if bias is not None else weight,
+            s,
+            y,
+            mean,
+            rstd,
+            n_rows,
+            n_cols,
+            eps,
+            HAS_INC=inc is not None,
+            HAS_INC_BIAS=inc_bias is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+            num_warps=_num_warps(block_rows, block_cols, "fwd"),
+        )
     return s, y, mean, rstd
 
 
@@ -300,11 +313,25 @@ def _bwd_op(
     parts = (s.new_empty if n_rows else s.new_zeros)((n_sums, programs, n_cols), dtype=torch.float32)
     if n_rows:
         _add_ln_bwd_kernel[(programs,)](
-            dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dinc, parts,
-            n_rows, n_cols, rows_per_program, HAS_DS=ds is not None, HAS_DINC=inc_dtype is not None,
-            HAS_DIB=inc_bias_dtype is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+            dy,
+            ds if ds is not None else dy,
+            s,
+            weight,
+            mean,
+            rstd,
+            dx,
+            dinc,
+            parts,
+            n_rows,
+            n_cols,
+            rows_per_program,
+            HAS_DS=ds is not None,
+            HAS_DINC=inc_dtype is not None,
+            HAS_DIB=inc_bias_dtype is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
             num_warps=_num_warps(block_rows, block_cols, "bwd"),
-        )  # fmt: skip
+        )
     dw = weight.new_empty(n_cols)
     db = weight.new_empty(n_cols if has_bias else 0)
     dib = weight.new_empty(n_cols, dtype=inc_bias_dtype) if inc_bias_dtype is not None else weight.new_empty(0)

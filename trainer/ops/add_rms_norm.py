@@ -177,9 +177,20 @@ def _fwd_op(
         block_cols = triton.next_power_of_2(n_cols)
         block_rows = _block_rows(n_cols, "fwd")
         _add_rms_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
-            x, inc if inc is not None else x, weight, s, y, rstd, n_rows, n_cols, eps, HAS_INC=inc is not None,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=_num_warps(block_rows, block_cols, "fwd"),
-        )  # fmt: skip
+            x,
+            inc if inc is not None else x,
+            weight,
+            s,
+            y,
+            rstd,
+            n_rows,
+            n_cols,
+            eps,
+            HAS_INC=inc is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+            num_warps=_num_warps(block_rows, block_cols, "fwd"),
+        )
     return s, y, rstd
 
 
@@ -220,10 +231,23 @@ def _bwd_op(
     parts = (s.new_empty if n_rows else s.new_zeros)((programs, n_cols), dtype=torch.float32)
     if n_rows:
         _add_rms_bwd_kernel[(programs,)](
-            dy, ds if ds is not None else dy, s, weight, rstd, dx, dinc, parts, n_rows, n_cols, rows_per_program,
-            HAS_DS=ds is not None, HAS_DINC=inc_dtype is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+            dy,
+            ds if ds is not None else dy,
+            s,
+            weight,
+            rstd,
+            dx,
+            dinc,
+            parts,
+            n_rows,
+            n_cols,
+            rows_per_program,
+            HAS_DS=ds is not None,
+            HAS_DINC=inc_dtype is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
             num_warps=_num_warps(block_rows, block_cols, "bwd"),
-        )  # fmt: skip
+        )
     dw = weight.new_empty(n_cols)
     sum_parts(parts[None], [dw])
     return dx, dinc, dw

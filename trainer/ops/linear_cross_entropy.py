@@ -216,7 +216,7 @@ def _cross_entropy_rows_(
 _VOCAB_ALIGN = 64
 """The logits' rows are padded to a multiple of this many columns. A vocabulary like GPT-2's 50257 leaves every
 row of the (N, V) logits misaligned, and cuBLAS takes a slow path for the head's three matmuls (Inductor pads
-them for the same reason; without padding GPT-2's step ran at 0.74x torch.compile's on an H100)."""
+them for the same reason; docs/performance.md has the step without it)."""
 
 
 def _pad_rows(weight: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""What our Triton kernels share: where they run, what they compute in, the flat-buffer checks of the update
+"""What trainer's Triton kernels share: where they run, what they compute in, the flat-buffer checks of the update
 kernels, and the row-norm backwards' program plan and column sums.
 
 A row norm's backward runs a few programs per SM; each sums its rows' weight gradients in registers and writes one
@@ -38,8 +38,8 @@ def triton_can_run(device: torch.device, kernel: Any) -> bool:
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype our ops compute in for ``x``: the autocast dtype while autocast is on for x's device type, else
-    x's own (what the matmul that follows would read)."""
+    """The dtype trainer's ops compute in for ``x``: the autocast dtype while autocast is on for x's device type,
+    else x's own (what the matmul that follows would read)."""
     device_type = x.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 

@@ -74,8 +74,9 @@ def _adamw_coefs_kernel(Step_ptr, Hparams_ptr, GradNorm_ptr, Coefs_ptr, HAS_CLIP
 
 
 @triton.jit
-def adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED: tl.constexpr,
-                       HAS_CLIP: tl.constexpr):  # fmt: skip
+def adamw_update_block(
+    Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED: tl.constexpr, HAS_CLIP: tl.constexpr
+):
     """One Adam(W) update of a block of the flat param and state buffers, in place, with its gradient ``g``
     (fp32) and this step's coefficients (``_adamw_coefs_kernel``). Shared by the flat kernel and the
     address-table kernel (:mod:`trainer.optim.grad_table`)."""

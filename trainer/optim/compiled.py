@@ -25,7 +25,7 @@ and state and runs a ``torch.compile``-d copy of its step. What it does that a b
 
 Compile time grows with the number of parameter tensors (tens of seconds for GPT-2's 148 on
 Inductor): for CUDA training, :func:`trainer.optim.build_optimizer` with ``impl="triton"`` (what ``auto`` picks
-there for Adam(W)) avoids it with our Triton kernels: no compile, one launch for the whole step.
+there for Adam(W)) avoids it with trainer's Triton kernels: no compile, one launch for the whole step.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from trainer import console
+
+log = logging.getLogger(__name__)  # debugging detail; what the user should know goes through trainer.console
 
 # Keys of each torch optimizer that become device tensors, found by compiling each optimizer with
 # each candidate key as a tensor (torch 2.13): the others either break the graph (SGD momentum,
@@ -87,7 +89,7 @@ _instances = itertools.count()
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        log.warning(message)
+        console.warn(message)
 
 
 def _why_eager(opt: torch.optim.Optimizer) -> str | None:

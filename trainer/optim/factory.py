@@ -1,5 +1,5 @@
 """The one optimizer factory: ``build_optimizer`` over parameter groups (:func:`param_groups` makes the fit loop's),
-in torch's implementations, compiled (:func:`~trainer.optim.compiled.compile_optimizer`), ours in Triton
+in torch's implementations, compiled (:func:`~trainer.optim.compiled.compile_optimizer`), trainer's in Triton
 (:mod:`trainer.optim.optimizers`) or sharded over a bucket plan (:mod:`trainer.optim.zero`).
 
 Plain arguments only, no config: the fit loop's call is ``trainer.build.make_optimizer``; any other training loop
@@ -20,7 +20,7 @@ from trainer.optim.compiled import compile_optimizer
 if TYPE_CHECKING:
     from trainer.distributed.buckets import BucketPlan
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)  # debugging detail; what the user should know goes through trainer.console
 
 
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
@@ -32,13 +32,12 @@ def resolve_impl(
 ) -> str:
     """The implementation ``impl='auto'`` stands for on ``device`` (other values pass through).
 
-    CUDA, Adam(W): ours, ``triton`` (gradients read where autograd left them, clipping inside the step),
-    the fastest measured for a whole training step: gpt2-small B=16 T=1024 bf16, graphed, H100: 485K
-    tok/s against 480K with torch's ``fused`` (the step alone with clipping: 1.38 ms vs 1.78 ms); 2 H200s,
-    ddp: 490K vs 484K tok/s per GPU (docs/performance.md).
+    CUDA, Adam(W): ``triton`` (gradients read where autograd left them, clipping inside the step),
+    the fastest measured for a whole training step, on one GPU and under ddp, ahead of torch's ``fused``
+    (docs/performance.md, "The optimizer step").
     Not for ``sharded`` parameters (FSDP's DTensors: ``triton`` updates their shards in place, but is not
     measured against torch's ``fused`` there) or ``scaled`` gradients (fp16's grad scaler, not measured with
-    ours), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused`` there. Elsewhere:
+    them), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused`` there. Elsewhere:
     ``foreach``.
     """
     if impl not in IMPLS:
@@ -101,7 +100,7 @@ def build_optimizer(
         name: ``adamw`` | ``adam`` (L2 weight decay) | ``sgd`` (momentum, L2 weight decay).
         impl: ``auto`` (see :func:`resolve_impl`), ``eager`` (torch, per-tensor loop), ``foreach``
             (torch, multi-tensor), ``fused`` (torch, fused kernel), ``compiled``
-            (:func:`compile_optimizer` on the foreach optimizer, Inductor) or ``triton`` (ours).
+            (:func:`compile_optimizer` on the foreach optimizer, Inductor) or ``triton`` (trainer's Triton kernels).
         lr: Learning rate.
         betas: Adam betas.
         eps: Adam epsilon.
@@ -117,7 +116,7 @@ def build_optimizer(
         buckets: A bucket plan to shard the optimizer state over
             (ddp's ``distributed.shard_optimizer``): a :class:`~trainer.optim.zero.ShardedOptimizer` that moves the
             parameters into the plan's flat buffers (build it before DDP's wrapper, which reduces over the plan),
-            keeps this rank's shard of the state in an inner optimizer of ``impl`` (one of torch's: ours re-lays
+            keeps this rank's shard of the state in an inner optimizer of ``impl`` (one of torch's: ``triton`` re-lays
             parameters out in buffers of its own) and clips to ``max_grad_norm`` itself.
 
     Returns:
@@ -132,8 +131,9 @@ def build_optimizer(
     if buckets is not None:
         from trainer.optim import zero
 
-        hparams = dict(name=name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                       device=device)  # fmt: skip
+        hparams = dict(
+            name=name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, device=device
+        )
         inner = lambda segment_groups: build_optimizer(segment_groups, impl=impl, max_grad_norm=0.0, **hparams)
         return zero.ShardedOptimizer(list(param_groups), buckets, inner, max_grad_norm=max_grad_norm)
     if name not in OPTIMIZER_NAMES:
@@ -156,9 +156,14 @@ def build_optimizer(
             # Gradients stay autograd's own tensors (read through an address table), not a flat buffer that
             # autograd would have to add into: see trainer/optim/grad_table.py.
             opt = TritonAdamW(
-                groups, lr=lr, betas=betas, eps=eps, max_grad_norm=max_grad_norm,
-                decoupled_weight_decay=name == "adamw", flat_grads=False,
-            )  # fmt: skip
+                groups,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                max_grad_norm=max_grad_norm,
+                decoupled_weight_decay=name == "adamw",
+                flat_grads=False,
+            )
     else:
         flags = {"eager": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
         kwargs = flags.get(resolved, {"foreach": True})
@@ -172,5 +177,5 @@ def build_optimizer(
         opt.before_graph_replay = opt.after_graph_replay = None  # torch's: made capturable for a graph instead
     opt.clips_grad_norm = resolved == "triton" and max_grad_norm > 0
     opt.impl = resolved
-    log.info("optimizer: %s (%s) on %s, clips grad norm itself: %s", name, resolved, device, opt.clips_grad_norm)
+    log.debug("optimizer: %s (%s) on %s, clips grad norm itself: %s", name, resolved, device, opt.clips_grad_norm)
     return opt

@@ -1,7 +1,7 @@
 """The flat-buffer optimizer: parameters, gradients and optimizer states of one dtype and device in contiguous
 storage (:mod:`~trainer.optim.flat_group`'s groups), updated in one launch per group.
 
-:class:`FlatOptimizer` is the ``torch.optim.Optimizer`` base of our Triton optimizers
+:class:`FlatOptimizer` is the ``torch.optim.Optimizer`` base of trainer's Triton optimizers
 (:mod:`trainer.optim.optimizers`): it owns the flat groups, keeps ``state`` in torch's per-parameter
 layout (views into the flat state buffers), and gives ``state_dict()`` / ``load_state_dict()`` that
 interchange with ``torch.optim.AdamW`` / ``torch.optim.SGD`` checkpoints.

@@ -89,8 +89,16 @@ def _tabled(Ptrs_ptr, t, idx, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _grad_block(GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE: tl.constexpr,
-                ALIGNED: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+def _grad_block(
+    GradPtrs_ptr,
+    BlockTensor_ptr,
+    BlockStart_ptr,
+    Numel_ptr,
+    pid,
+    GRAD_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     """This program's block of its parameter's gradient, widened to fp32 (zeros past the end or for None), the
     mask of the block's elements inside the parameter, the parameter's index and the elements' indices in it.
 
@@ -106,11 +114,20 @@ def _grad_block(GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, G
 
 
 @triton.jit
-def _sumsq_blocks_kernel(GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, Partials_ptr,
-                         GRAD_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+def _sumsq_blocks_kernel(
+    GradPtrs_ptr,
+    BlockTensor_ptr,
+    BlockStart_ptr,
+    Numel_ptr,
+    Partials_ptr,
+    GRAD_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     pid = tl.program_id(0)
-    g, _, _, _ = _grad_block(GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED,
-                             BLOCK_SIZE)  # fmt: skip
+    g, _, _, _ = _grad_block(
+        GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED, BLOCK_SIZE
+    )
     tl.store(Partials_ptr + pid, tl.sum(g * g, axis=0))
 
 
@@ -131,8 +148,9 @@ def _adamw_blocks_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    g, mask, _, _ = _grad_block(GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED,
-                                BLOCK_SIZE)  # fmt: skip
+    g, mask, _, _ = _grad_block(
+        GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED, BLOCK_SIZE
+    )
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP)
 
@@ -157,8 +175,9 @@ def _adamw_in_place_kernel(
     """``_adamw_blocks_kernel`` with the parameters and both states, too, read and written where they live
     (through their address tables)."""
     pid = tl.program_id(0)
-    g, mask, t, idx = _grad_block(GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE,
-                                  ALIGNED, BLOCK_SIZE)  # fmt: skip
+    g, mask, t, idx = _grad_block(
+        GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED, BLOCK_SIZE
+    )
     params, _ = _tabled(ParamPtrs_ptr, t, idx, PARAM_DTYPE, ALIGNED)
     exp_avg, _ = _tabled(ExpAvgPtrs_ptr, t, idx, tl.float32, ALIGNED)
     exp_avg_sq, _ = _tabled(ExpAvgSqPtrs_ptr, t, idx, tl.float32, ALIGNED)
@@ -189,8 +208,9 @@ def _sgd_blocks_kernel(
     """SGD with tabled gradients: the parameters and the momentum buffer flat (``Param_ptr``, ``MomentumBuffer_ptr``)
     or, ``IN_PLACE``, where they live (``ParamPtrs_ptr``, ``MomentumBufferPtrs_ptr``: address tables)."""
     pid = tl.program_id(0)
-    g, mask, t, idx = _grad_block(GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE,
-                                  ALIGNED, BLOCK_SIZE)  # fmt: skip
+    g, mask, t, idx = _grad_block(
+        GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED, BLOCK_SIZE
+    )
     if IN_PLACE:
         params, _ = _tabled(ParamPtrs_ptr, t, idx, PARAM_DTYPE, ALIGNED)
         momentum_buffer, _ = _tabled(MomentumBufferPtrs_ptr, t, idx, tl.float32, ALIGNED)
@@ -312,9 +332,16 @@ class GradTable:
         """Write each block's fp32 sum of squared gradients into ``partials[:n_blocks]`` (after ``load_grads``)."""
         if self.n_blocks:
             _sumsq_blocks_kernel[(self.n_blocks,)](
-                self.grad_ptrs, self.block_tensor, self.block_start, self.numels, partials,
-                GRAD_DTYPE=_TL_DTYPES[self.dtype], ALIGNED=self.aligned, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
-            )  # fmt: skip
+                self.grad_ptrs,
+                self.block_tensor,
+                self.block_start,
+                self.numels,
+                partials,
+                GRAD_DTYPE=_TL_DTYPES[self.dtype],
+                ALIGNED=self.aligned,
+                BLOCK_SIZE=BLOCK_SIZE,
+                num_warps=NUM_WARPS,
+            )
 
     def launch_adamw(
         self,
@@ -332,14 +359,24 @@ class GradTable:
         if not self.n_blocks:
             return
         table = (self.grad_ptrs, self.block_tensor, self.block_start, self.numels, coefs)
-        flags = dict(DECOUPLED=decoupled, HAS_CLIP=grad_norm is not None, GRAD_DTYPE=_TL_DTYPES[self.dtype],
-                     ALIGNED=self.aligned, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS)  # fmt: skip
+        flags = dict(
+            DECOUPLED=decoupled,
+            HAS_CLIP=grad_norm is not None,
+            GRAD_DTYPE=_TL_DTYPES[self.dtype],
+            ALIGNED=self.aligned,
+            BLOCK_SIZE=BLOCK_SIZE,
+            num_warps=NUM_WARPS,
+        )
         if self.in_place:
             assert param is None
             _adamw_in_place_kernel[(self.n_blocks,)](
-                self.param_ptrs, self._states_table(exp_avg), self._states_table(exp_avg_sq), *table,
-                PARAM_DTYPE=_TL_DTYPES[self.dtype], **flags,
-            )  # fmt: skip
+                self.param_ptrs,
+                self._states_table(exp_avg),
+                self._states_table(exp_avg_sq),
+                *table,
+                PARAM_DTYPE=_TL_DTYPES[self.dtype],
+                **flags,
+            )
         else:
             _adamw_blocks_kernel[(self.n_blocks,)](param, exp_avg, exp_avg_sq, *table, **flags)
 
@@ -364,12 +401,25 @@ class GradTable:
         has_momentum = momentum_buffer is not None
         in_place_buffer = self._states_table(momentum_buffer) if self.in_place and has_momentum else dummy
         _sgd_blocks_kernel[(self.n_blocks,)](
-            dummy if self.in_place else param, self.param_ptrs if self.in_place else dummy,
-            momentum_buffer if has_momentum and not self.in_place else dummy, in_place_buffer, self.grad_ptrs,
-            self.block_tensor, self.block_start, self.numels, coefs, IN_PLACE=self.in_place, HAS_MOMENTUM=has_momentum,
-            NESTEROV=nesterov, HAS_CLIP=has_clip, PARAM_DTYPE=_TL_DTYPES[self.dtype],
-            GRAD_DTYPE=_TL_DTYPES[self.dtype], ALIGNED=self.aligned, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            dummy if self.in_place else param,
+            self.param_ptrs if self.in_place else dummy,
+            momentum_buffer if has_momentum and not self.in_place else dummy,
+            in_place_buffer,
+            self.grad_ptrs,
+            self.block_tensor,
+            self.block_start,
+            self.numels,
+            coefs,
+            IN_PLACE=self.in_place,
+            HAS_MOMENTUM=has_momentum,
+            NESTEROV=nesterov,
+            HAS_CLIP=has_clip,
+            PARAM_DTYPE=_TL_DTYPES[self.dtype],
+            GRAD_DTYPE=_TL_DTYPES[self.dtype],
+            ALIGNED=self.aligned,
+            BLOCK_SIZE=BLOCK_SIZE,
+            num_warps=NUM_WARPS,
+        )
 
 
 def tables_norm(tables: Sequence[GradTable], groups: Sequence = ()) -> torch.Tensor:

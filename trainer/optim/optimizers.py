@@ -1,4 +1,4 @@
-"""Our Triton optimizers: ``TritonAdamW``, ``TritonAdam`` and ``TritonSGD``, drop-ins for torch's on CUDA.
+"""trainer's Triton optimizers: ``TritonAdamW``, ``TritonAdam`` and ``TritonSGD``, drop-ins for torch's on CUDA.
 
 Each is a :class:`~trainer.optim.flat.FlatOptimizer` (parameters and states in flat buffers, checkpoints
 that interchange with torch's optimizers) whose update is one launch per flat group of the ``trainer::adamw_step``
@@ -25,7 +25,7 @@ __all__ = ["TritonAdam", "TritonAdamW", "TritonSGD"]
 
 
 class TritonAdamW(FlatOptimizer):
-    """AdamW over flat buffers with our Triton kernels: one launch per flat group and step.
+    """AdamW over flat buffers with trainer's Triton kernels: one launch per flat group and step.
 
     A drop-in for ``torch.optim.AdamW`` on CUDA (state layout and checkpoints interchange with it),
     with optional global-norm gradient clipping fused into the step. See
@@ -132,13 +132,19 @@ class TritonAdam(TritonAdamW):
         flat_grads: bool | None = None,
     ):
         super().__init__(
-            params, lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, decoupled_weight_decay=False,
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            max_grad_norm=max_grad_norm,
+            decoupled_weight_decay=False,
             flat_grads=flat_grads,
-        )  # fmt: skip
+        )
 
 
 class TritonSGD(FlatOptimizer):
-    """SGD (momentum, Nesterov, L2 weight decay) over flat buffers with our Triton kernels.
+    """SGD (momentum, Nesterov, L2 weight decay) over flat buffers with trainer's Triton kernels.
 
     A drop-in for ``torch.optim.SGD`` on CUDA whose state (``momentum_buffer``) and checkpoints
     interchange with it, plus optional fused global-norm clipping. The momentum buffer is fp32 for

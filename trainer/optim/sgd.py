@@ -38,8 +38,16 @@ def _sgd_coefs_kernel(Step_ptr, Hparams_ptr, GradNorm_ptr, Coefs_ptr, HAS_CLIP: 
 
 
 @triton.jit
-def sgd_update_block(params, g, momentum_buffer, mask, Coefs_ptr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                     HAS_CLIP: tl.constexpr):  # fmt: skip
+def sgd_update_block(
+    params,
+    g,
+    momentum_buffer,
+    mask,
+    Coefs_ptr,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+):
     """One SGD update of a block in place (``params``, ``momentum_buffer``: blocks of pointers; ``g``: the fp32
     gradient), with this step's coefficients from :func:`_sgd_coefs_kernel`. The flat kernel and the address-table
     kernel (grad_table.py) both call it."""
@@ -82,8 +90,9 @@ def _sgd_kernel(
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     g = tl.load(Grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    sgd_update_block(Param_ptr + offsets, g, MomentumBuffer_ptr + offsets, mask, Coefs_ptr, HAS_MOMENTUM, NESTEROV,
-                     HAS_CLIP)  # fmt: skip
+    sgd_update_block(
+        Param_ptr + offsets, g, MomentumBuffer_ptr + offsets, mask, Coefs_ptr, HAS_MOMENTUM, NESTEROV, HAS_CLIP
+    )
 
 
 def launch_sgd(

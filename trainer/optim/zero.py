@@ -19,7 +19,7 @@ Per step:
 A segment is the part of one parameter inside this rank's range: a view of the flat buffer (at most one per
 parameter and rank) whose ``.grad`` is the matching slice of the gradient shard. The inner optimizer is an ordinary
 torch optimizer over the segments (elementwise updates: the same numbers as over whole parameters), each segment in
-its parameter's weight-decay group. Our Triton optimizers are refused (config): they move their parameters into flat
+its parameter's weight-decay group. The Triton optimizers are refused (config): they move their parameters into flat
 buffers of their own, and a segment must stay a view of its bucket's buffer. So are compiled autograd (the
 reduce-scatters are not traced into its graph), fp16's grad scaler (it unscales and checks whole gradients) and the
 graphed step (the optimizer keeps a float lr and is not made capturable).
@@ -215,9 +215,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = float(max_grad_norm)
         segment_of = self.shards.segment_of
         self.inner = build_inner(
-            [{**_hparams(g), "params": [segment_of[id(p)] for p in g["params"] if id(p) in segment_of]}
-             for g in param_groups]
-        )  # fmt: skip
+            [
+                {**_hparams(g), "params": [segment_of[id(p)] for p in g["params"] if id(p) in segment_of]}
+                for g in param_groups
+            ]
+        )
         self.defaults = self.inner.defaults
         self.param_groups = [
             {**_hparams(inner), "params": list(g["params"])} for g, inner in zip(param_groups, self.inner.param_groups)
@@ -312,19 +314,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out = []
         for gi in range(len(self.param_groups)):
             kind = next((ranks[gi] for ranks in every if ranks[gi]), {})
-            out.append({
-                k: (elementwise, getattr(torch, dtype.removeprefix("torch.")),
-                    torch.device("cpu") if where == "cpu" else self.shards.device)
-                for k, (elementwise, dtype, where) in kind.items()
-            })  # fmt: skip
+            out.append(
+                {
+                    k: (
+                        elementwise,
+                        getattr(torch, dtype.removeprefix("torch.")),
+                        torch.device("cpu") if where == "cpu" else self.shards.device,
+                    )
+                    for k, (elementwise, dtype, where) in kind.items()
+                }
+            )
         return out
 
     def _gather_scalars(self, params: list[torch.Tensor], key: str) -> list[float]:
         """Each parameter's scalar state ``key`` (the step count) from a rank that holds a segment of it."""
         values = torch.full((len(params),), float("-inf"), dtype=torch.float64, device=self.shards.device)
         segments = [self.shards.segment_of.get(id(p)) for p in params]
-        held = [(i, self.inner.state[seg][key]) for i, seg in enumerate(segments)
-                if seg is not None and key in self.inner.state.get(seg, {})]  # fmt: skip
+        held = [
+            (i, self.inner.state[seg][key])
+            for i, seg in enumerate(segments)
+            if seg is not None and key in self.inner.state.get(seg, {})
+        ]
         if held:
             idx = torch.tensor([i for i, _ in held], device=values.device)
             values[idx] = torch.stack([v.to(values.device, torch.float64) for _, v in held])
@@ -399,7 +409,7 @@ def _hparams(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-# The implementation this run chose (optim.impl), kept when a checkpoint loads: a checkpoint of our Triton AdamW (the
+# The implementation this run chose (optim.impl), kept when a checkpoint loads: a checkpoint of the Triton AdamW (the
 # unsharded default on CUDA) says fused=None, which would turn the inner torch AdamW from fused to foreach.
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 

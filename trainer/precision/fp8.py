@@ -49,8 +49,11 @@ class Conversion:
     left_out: list[tuple[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"recipe": self.recipe, "converted": self.converted,
-                "left_out": [{"name": n, "why": w} for n, w in self.left_out]}  # fmt: skip
+        return {
+            "recipe": self.recipe,
+            "converted": self.converted,
+            "left_out": [{"name": n, "why": w} for n, w in self.left_out],
+        }
 
     def describe(self) -> str:
         """One line for the startup output."""
@@ -75,13 +78,17 @@ def check_available(device: torch.device) -> None:
     """
     if not emulated():
         if device.type != "cuda":
-            raise ValueError(f"train.precision: fp8 needs a CUDA GPU with float8 tensor cores (compute capability "
-                             f"8.9 or later), and this run is on {device.type}; use train.precision=bf16")  # fmt: skip
+            raise ValueError(
+                f"train.precision: fp8 needs a CUDA GPU with float8 tensor cores (compute capability "
+                f"8.9 or later), and this run is on {device.type}; use train.precision=bf16"
+            )
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
-            raise ValueError(f"train.precision: fp8 needs float8 tensor cores (compute capability 8.9 or later: Ada, "
-                             f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}; use "
-                             "train.precision=bf16")  # fmt: skip
+            raise ValueError(
+                f"train.precision: fp8 needs float8 tensor cores (compute capability 8.9 or later: Ada, "
+                f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}; use "
+                "train.precision=bf16"
+            )
     _torchao()
 
 
@@ -112,8 +119,11 @@ def head_names(model: nn.Module) -> set[str]:
     out = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     widest = max((t.num_embeddings for t in tables), default=None)
     tied = {id(t.weight) for t in tables}
-    return {name for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and (m is out or id(m.weight) in tied or m.out_features == widest)}  # fmt: skip
+    return {
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and (m is out or id(m.weight) in tied or m.out_features == widest)
+    }
 
 
 def why_not(name: str, linear: nn.Linear, heads: set[str]) -> str | None:

@@ -97,8 +97,13 @@ def _repeated_heads(n) -> tuple[fx.Node, int] | None:
         return None
     x, index = g.args
     full = slice(None, None, None)
-    if not (isinstance(index, tuple) and len(index) >= 3 and index[2] is None and all(i == full for i in index[:2])
-            and all(i == full or i is Ellipsis for i in index[3:])):  # fmt: skip
+    if not (
+        isinstance(index, tuple)
+        and len(index) >= 3
+        and index[2] is None
+        and all(i == full for i in index[:2])
+        and all(i == full or i is Ellipsis for i in index[3:])
+    ):
         return None
     xs, es, ns = (v.meta.get("example_value") for v in (x, e, n))
     if not all(isinstance(v, torch.Tensor) for v in (xs, es, ns)) or xs.dim() != 4 or es.dim() != 5:

@@ -15,8 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-_MUTATING = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
-             operator.setitem)  # fmt: skip
+_MUTATING = (
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.ipow,
+    operator.setitem,
+)
 
 
 def erased(n: fx.Node) -> bool:
@@ -32,8 +39,7 @@ def inputs(args) -> list[fx.Node]:
 
 def in_place(n: fx.Node) -> bool:
     """Whether ``n`` writes into one of its inputs: ``x.add_(..)``, ``x += ..``, ``x[i] = ..``, ``out=``."""
-    return (str(getattr(n.target, "__name__", n.target)).endswith("_") or n.target in _MUTATING
-            or "out" in n.kwargs)  # fmt: skip
+    return str(getattr(n.target, "__name__", n.target)).endswith("_") or n.target in _MUTATING or "out" in n.kwargs
 
 
 def erase_dead(g: fx.Graph, node: fx.Node) -> None:

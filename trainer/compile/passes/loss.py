@@ -1,7 +1,7 @@
 """The loss pass: ``cross_entropy(linear(h, W), targets)``, through views, reshapes, a ``.float()`` upcast and a
-constant scale of the logits, with ``ignore_index``, becomes ``trainer::linear_cross_entropy``: our loss row kernel on
-the logits (``cross_entropy``: logits kept, their gradient written over them in the forward) or the chunked fused
-linear + cross-entropy that never holds the whole logits (``linear_cross_entropy``). With both enabled, the
+constant scale of the logits, with ``ignore_index``, becomes ``trainer::linear_cross_entropy``: trainer's loss row
+kernel on the logits (``cross_entropy``: logits kept, their gradient written over them in the forward) or the chunked
+fused linear + cross-entropy that never holds the whole logits (``linear_cross_entropy``). With both enabled, the
 vocabulary decides (:data:`FUSED_LOSS_MIN_VOCAB`).
 """
 
@@ -17,8 +17,8 @@ from trainer.compile.passes.graph_edit import arg, erase_dead, float32_cast, is_
 
 FUSED_LOSS_MIN_VOCAB = 65536
 """With both loss kernels enabled: the fused linear + cross-entropy from this vocabulary up, the row kernel below.
-At GPT-2's 50304 the row kernel on compiled logits measured 7.2 ms against the fused kernel's 8.0 ms (H100,
-16384 tokens, docs/performance.md); at Llama 3's 128256 the logits alone would be 2.1 GB in bf16 for 8192 tokens."""
+At GPT-2's 50304 the row kernel on compiled logits is the faster (docs/performance.md, "The loss kernels"); at
+Llama 3's 128256 the logits alone would be 2.1 GB in bf16 for 8192 tokens."""
 
 
 # ---- the op the graph calls (AOTAutograd traces through it) -------------------------------------
@@ -28,8 +28,9 @@ def _loss(h, weight, targets, ignore_index, reduction, save_logit_grads):
     from trainer.ops.linear_cross_entropy import linear_cross_entropy
 
     h2 = h.reshape(-1, h.shape[-1])  # (N, C)
-    return linear_cross_entropy(h2, weight, targets.reshape(-1), ignore_index, reduction,
-                                save_logit_grads=save_logit_grads)  # fmt: skip
+    return linear_cross_entropy(
+        h2, weight, targets.reshape(-1), ignore_index, reduction, save_logit_grads=save_logit_grads
+    )
 
 
 # ---- the head and the loss -----------------------------------------------------------------------
