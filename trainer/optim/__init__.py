@@ -1,11 +1,11 @@
-"""Optimizers: one factory, the compiled drop-in, ours in Triton, and the sharded one.
+"""Optimizers: one factory, the compiled drop-in, trainer's in Triton, and the sharded one.
 
 Usable in any training loop, without ``trainer fit``::
 
     from trainer.optim import build_optimizer, param_groups
     opt = build_optimizer(param_groups(model, 0.1), name="adamw", impl="auto", lr=3e-4, max_grad_norm=1.0)
 
-- :mod:`~trainer.optim.factory`: :func:`build_optimizer` (torch's, compiled, ours or sharded) and
+- :mod:`~trainer.optim.factory`: :func:`build_optimizer` (torch's, compiled, trainer's Triton ones or sharded) and
   :func:`param_groups`;
 - :mod:`~trainer.optim.compiled`: :func:`compile_optimizer`, any torch optimizer with its step compiled;
 - the Triton optimizers over flat buffers: :mod:`~trainer.optim.optimizers` (``TritonAdamW``, ``TritonAdam``,

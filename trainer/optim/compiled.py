@@ -33,15 +33,12 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-import logging
 import types
 from typing import Any
 
 import torch
 
 from trainer import console
-
-log = logging.getLogger(__name__)  # debugging detail; what the user should know goes through trainer.console
 
 # Keys of each torch optimizer that become device tensors, found by compiling each optimizer with
 # each candidate key as a tensor (torch 2.13): the others either break the graph (SGD momentum,
