@@ -79,8 +79,8 @@ class Trainer:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
         scaler = build.grad_scaler(resolved.autocast, device)
         states = run_states(raw_model, opt, sched, scaler, batches, lr=cfg.optim.lr, device=device)
-        ckpts = Checkpointer(states, DCP if resolved.strategy.fsdp else TORCH_SAVE, run_dir, env, config=to_dict(cfg),
-                             keep=cfg.checkpoint.keep, beside=[CompileCache()] if compiling else [])  # fmt: skip
+        storage, sides = DCP if resolved.strategy.fsdp else TORCH_SAVE, [CompileCache()] if compiling else []
+        ckpts = Checkpointer(states, storage, run_dir, env, config=to_dict(cfg), keep=cfg.checkpoint.keep, beside=sides)
         progress = ckpts.begin(start)  # the step and tokens seen: resumed (resume=auto: if there is a checkpoint), or 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
