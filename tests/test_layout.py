@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trainer"
 
 LAYERS = (
-    ("base", ("trainer.io", "trainer.shipped", "trainer.codec", "trainer.data")),
+    ("base", ("trainer.io", "trainer.shipped", "trainer.codec", "trainer.data", "trainer.console")),
     ("ops", ("trainer.ops",)),
     ("models", ("trainer.models",)),
     ("precision", ("trainer.precision",)),
