@@ -16,7 +16,8 @@ LAYERS = (
     ("optim", ("trainer.optim",)),
     ("compile", ("trainer.compile",)),
     ("config", ("trainer.schema", "trainer.config")),
-    ("run", ("trainer.plan", "trainer.step", "trainer.rundir", "trainer.state", "trainer.checkpoint", "trainer.metrics")),
+    ("run", ("trainer.plan", "trainer.step", "trainer.rundir", "trainer.state", "trainer.checkpoint",
+             "trainer.metrics")),
     ("assembly", ("trainer.build", "trainer.memory")),
     ("app", ("trainer", "trainer.__main__", "trainer.loop", "trainer.cli", "trainer.tune", "trainer.sample",
              "trainer.prepare", "trainer.plot")),
@@ -28,8 +29,9 @@ inside a function alike. Why this order (docs/architecture.md has the table):
 - ``compile`` sits on ``optim``: ``from trainer.compile import compile_optimizer`` is public;
 - ``config`` sits on ``compile``: the schema checks ``compile.kernels`` against ``KERNEL_NAMES`` and the compile
   options against what the compile layer accepts, while nothing below it reads a config (plain arguments only);
-- ``run`` (the plan, the step, the run directory, the checkpointed states, checkpoints, metrics), then ``assembly`` (``build.py``, the memory
-  model, which builds the run's pieces), then ``app`` (the fit loop, ``tune`` and the commands)."""
+- ``run`` (the plan, the step, the run directory, the checkpointed states, checkpoints, metrics), then ``assembly``
+  (``build.py``, the memory model, which builds the run's pieces), then ``app`` (the fit loop, ``tune`` and the
+  commands)."""
 
 MAX_SHARE = 0.30
 """The most of the package's lines (non-empty lines of its .py files) that one subpackage may hold."""
