@@ -18,8 +18,8 @@ for what in "${@:-all}"; do
       2>&1 | tee "$OUT/fit_gpt2_small.log" | tail -14
   fi
   if [[ $what == tests || $what == all ]]; then
-    # the tests launch their own processes and use little of a GPU: four at a time (pytest-xdist)
-    python3 -m pytest -m "gpu or multi_gpu" -q -rs -n 4 --durations=25 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -45
+    # the tests launch their own processes and use little of a GPU: six at a time (pytest-xdist)
+    python3 -m pytest -m "gpu or multi_gpu" -q -rs -n 6 --durations=25 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -45
   fi
   if [[ $what == step || $what == all ]]; then
     python3 scripts/bench_step.py --out "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.log" | tail -12

@@ -190,6 +190,8 @@ def losses(run_dir: Path) -> dict[int, float]:
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     n_gpu = torch.cuda.device_count() if has_cuda else 0
+    if n_gpu >= 2:  # the multi-GPU tests take a minute or more each: started first, none is left for the end
+        items.sort(key=lambda item: "multi_gpu" not in item.keywords)
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
