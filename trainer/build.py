@@ -103,8 +103,9 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
         return ready(model)
 
 
-def build_model_of(cfg: Config, vocab_size: int, pretrained: bool) -> nn.Module:
-    """The config's model, built where the default device says, without the checks of :func:`make_model`."""
+def build_model_of(cfg: Config, vocab_size: int, pretrained: bool, attention: str | None = None) -> nn.Module:
+    """The config's model, built where the default device says, without the checks of :func:`make_model`;
+    ``attention`` in place of ``model.attention`` if given."""
     from trainer.models import build_model
 
     m = cfg.model
@@ -117,7 +118,7 @@ def build_model_of(cfg: Config, vocab_size: int, pretrained: bool) -> nn.Module:
         n_embd=m.n_embd,
         dropout=m.dropout,
         bias=m.bias,
-        attention=m.attention,
+        attention=attention or m.attention,
         target=m.target,
         kwargs=dict(m.kwargs),
         hf=m.hf,

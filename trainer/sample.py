@@ -108,27 +108,11 @@ def _run_model(cfg, run: Path) -> nn.Module:
     """The run's model, on the CPU, initialised at random (the checkpoint's weights replace it): the shape its
     config gives, at the vocabulary its data had. A ``model.hf`` model is built from its config, never downloaded
     weights; the attention kernel is torch's choice (``model.attention`` does not change the weights)."""
+    from trainer.build import build_model_of
     from trainer.data import data_vocab_size
-    from trainer.models import build_model
 
-    m = cfg.model
     try:
-        return build_model(
-            preset=m.preset,
-            vocab_size=data_vocab_size(cfg.data.path, cfg.data.vocab_size),
-            seq_len=cfg.data.seq_len,
-            n_layer=m.n_layer,
-            n_head=m.n_head,
-            n_embd=m.n_embd,
-            dropout=m.dropout,
-            bias=m.bias,
-            attention="auto",
-            target=m.target,
-            kwargs=dict(m.kwargs),
-            hf=m.hf,
-            hf_overrides=dict(m.hf_overrides),
-            pretrained=False,
-        )
+        return build_model_of(cfg, data_vocab_size(cfg.data.path, cfg.data.vocab_size), False, attention="auto")
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(f"sample: rebuilding the model of {run / 'config.yaml'}: {e}") from None
 
