@@ -79,8 +79,8 @@ def test_fsdp_units_are_the_plans_blocks():
 
 def test_explain_describes_the_fsdp_units():
     from tests.conftest import ROOT
-    from trainer.build import fsdp_units_report
     from trainer.config import load_config
+    from trainer.describe import fsdp_units_report
 
     def report(unit_mb):
         cfg = load_config(

@@ -304,7 +304,7 @@ def test_without_transformers_or_network_the_message_says_what_to_do(dirs, monke
 def test_an_architecture_without_sdpa_runs_eager_attention_and_says_so(dirs, monkeypatch):
     """transformers refuses sdpa for some architectures (Gemma-2 in 5.24): the model is built with its eager
     attention instead, and the startup line says so; a config that cannot build is a user error."""
-    from trainer import build
+    from trainer import describe
     from trainer.models.hf import attention_of, build_hf_model
 
     auto = transformers.AutoModelForCausalLM
@@ -325,11 +325,11 @@ def test_an_architecture_without_sdpa_runs_eager_attention_and_says_so(dirs, mon
 
     the_plan = resolve(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None))
     corpus = SimpleNamespace(description="text", train=[0] * 10)
-    line = build.describe_run(the_plan, model, corpus, 1024)
+    line = describe.describe_run(the_plan, model, corpus, 1024)
     assert "attention: transformers' eager implementation (LlamaForCausalLM has no sdpa" in line, line
     monkeypatch.undo()
     assert attention_of(build_hf_model(str(dirs.llama))) == "sdpa"
-    assert "attention:" not in build.describe_run(the_plan, build_hf_model(str(dirs.llama)), corpus, 1024)
+    assert "attention:" not in describe.describe_run(the_plan, build_hf_model(str(dirs.llama)), corpus, 1024)
     # A token id past the vocabulary: the embedding's padding_idx assertion, as a user error naming the config.
     with pytest.raises(ValueError, match=r"LlamaConfig cannot be built from this config \(AssertionError: Padding"):
         build_hf_model(str(dirs.llama), overrides={"pad_token_id": 999})

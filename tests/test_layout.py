@@ -18,7 +18,7 @@ LAYERS = (
     ("config", ("trainer.schema", "trainer.config")),
     ("run", ("trainer.plan", "trainer.step", "trainer.rundir", "trainer.state", "trainer.checkpoint",
              "trainer.metrics")),
-    ("assembly", ("trainer.build", "trainer.memory")),
+    ("assembly", ("trainer.build", "trainer.describe", "trainer.memory")),
     ("app", ("trainer", "trainer.__main__", "trainer.loop", "trainer.cli", "trainer.tune", "trainer.sample",
              "trainer.prepare", "trainer.plot")),
 )  # fmt: skip

@@ -296,11 +296,11 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
             "communicated nothing)"
         )
     if strategy == "ddp":
-        from trainer.build import ddp_plan_report
+        from trainer.describe import ddp_plan_report
 
         console.info(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
     elif strategy == "fsdp":
-        from trainer.build import fsdp_units_report
+        from trainer.describe import fsdp_units_report
 
         console.info(fsdp_units_report(trainer.raw_model, cfg))
     else:

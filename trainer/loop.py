@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer import build, console, memory, plan, rundir
+from trainer import build, console, describe, memory, plan, rundir
 from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer
 from trainer.compile import cache
 from trainer.compile.report import RecompileLimitError
@@ -88,8 +88,8 @@ class Trainer:
         model, self.splitter = build.wrap(raw_model, resolved, env, opt=opt)
         train_step = build.train_step(model, raw_model, opt, scaler, resolved, env)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
-        console.info(build.describe_run(resolved, raw_model, corpus, tokens_per_step))
-        console.info(build.describe_path(resolved, opt))
+        console.info(describe.describe_run(resolved, raw_model, corpus, tokens_per_step))
+        console.info(describe.describe_path(resolved, opt))
         watcher = build.compile_watcher(cfg, model=raw_model)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:

@@ -209,7 +209,7 @@ def build_hf_model(
     kwargs = dict(attn_implementation="sdpa", **_dtype_kwarg(transformers, torch.float32))
     try:
         model = _instantiate(transformers, name, config, pretrained, kwargs)
-    except _NoSDPA:  # the startup line says so (trainer.build.describe_run)
+    except _NoSDPA:  # the startup line says so (trainer.describe.describe_run)
         model = _instantiate(transformers, name, config, pretrained, dict(kwargs, attn_implementation="eager"))
     return HFCausalLM(model)
 
