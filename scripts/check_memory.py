@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts import _meta  # noqa: E402
+from trainer.io import atomic_write_text  # noqa: E402
 from trainer.memory import GB, MODES, Point  # noqa: E402
 from trainer.tune import GRID, Session, probe_modes  # noqa: E402
 
@@ -93,7 +94,7 @@ def main() -> None:
 
     run = s.measure
     if a.measure:
-        _measure_alone(a, s, [(m, int(b)) for m, b in (x.split(":") for x in a.measure.split(","))], started)
+        _measure_alone(a, s, _points(a.measure), started)
         return
 
     def measured(mode: str, b: int) -> Point:
@@ -109,7 +110,7 @@ def main() -> None:
     probes = {(p.mode, p.micro_batch) for p in s.estimate.points}
     rows = [_row(p, None, None, probe=True) for p in s.estimate.points]
     est = s.estimate
-    wanted = [(m, int(b)) for m, b in (x.split(":") for x in a.points.split(",") if x)]
+    wanted = _points(a.points)
     largest = {m: est.largest(m, GRID) for m in MODES}
     for m, b in largest.items():
         if m in a.boundary.split(","):
@@ -124,43 +125,49 @@ def main() -> None:
     sha = _meta.git_sha()
     for r in rows:  # the commit each row was measured at
         r["git_sha"] = earlier.get((r["mode"], r["micro_batch"]), {}).get("git_sha", sha)
-    report = {
-        "device": _meta_device(s) if len(s.measured) or device is None else device,
-        "git_sha": sha,
-        "config": a.config,
-        "overrides": a.overrides,
-        "probes": sorted(probes),
-        "capacity_gb": est.capacity and est.capacity / GB,
-        "parts_gb": {k: v[0] / GB for k, v in est.parts.items()},
-        "per_sequence_gb": {m: est.fit(m)[0] / GB for m in MODES if est.fit(m)},
-        "constant_gb": {m: est.fit(m)[1] / GB for m in MODES if est.fit(m)},
-        "largest_predicted": largest,
-        "rows": rows,
-        "seconds": seconds + round(time.monotonic() - started),
-    }
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    _write(
+        a,
+        s,
+        rows,
+        seconds + round(time.monotonic() - started),
+        device=_meta_device(s) if len(s.measured) or device is None else device,
+        probes=sorted(probes),
+        parts_gb={k: v[0] / GB for k, v in est.parts.items()},
+        per_sequence_gb={m: est.fit(m)[0] / GB for m in MODES if est.fit(m)},
+        constant_gb={m: est.fit(m)[1] / GB for m in MODES if est.fit(m)},
+        largest_predicted=largest,
+    )
     print(described)
     print(table(rows))
-    print(f"wrote {out}")
+    print(f"wrote {a.out}")
+
+
+def _points(spec: str) -> list[tuple[str, int]]:
+    """``mode:micro-batch,...`` as pairs."""
+    return [(m, int(b)) for m, b in (x.split(":") for x in spec.split(",") if x)]
+
+
+def _write(a, s, rows: list[dict], seconds: int, device: str | None = None, **extra) -> None:
+    """The result file: the config, the device, the rows (and ``extra``), written atomically."""
+    report = {
+        "device": device or _meta_device(s),
+        "git_sha": _meta.git_sha(),
+        "config": a.config,
+        "overrides": a.overrides,
+        "capacity_gb": s.estimate.capacity and s.estimate.capacity / GB,
+        **extra,
+        "rows": rows,
+        "seconds": seconds,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(a.out), json.dumps(report, indent=1) + "\n")
 
 
 def _measure_alone(a, s, points: list[tuple[str, int]], started: float) -> None:
     rows = []
     for mode, b in points:
         rows.append(_row(s.measure(mode, b), None, None))
-        report = {
-            "device": _meta_device(s),
-            "git_sha": _meta.git_sha(),
-            "config": a.config,
-            "overrides": a.overrides,
-            "capacity_gb": s.estimate.capacity and s.estimate.capacity / GB,
-            "rows": rows,
-            "seconds": round(time.monotonic() - started),
-        }
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+        _write(a, s, rows, round(time.monotonic() - started))  # each run kept as it ends
     print(table(rows))
 
 
