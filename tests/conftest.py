@@ -27,6 +27,16 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The GPU tests compile the same tiny models in many runs, so their runs share one compile cache for the session
+# (Inductor keys each entry by graph, inputs, config and versions: a hit is the code a fresh compile would make).
+# Made here, at import, so that pytest-xdist's workers, started later, inherit the directory.
+_MADE_CACHE = None  # the directory this process made (removed at its end), or None
+if torch.cuda.is_available() and "TRAINER_TESTS_COMPILE_CACHE" not in os.environ:
+    import tempfile
+
+    _MADE_CACHE = os.environ["TRAINER_TESTS_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="trainer-tests-compile-")
+GPU_CACHE = [f"compile.cache_dir={os.environ['TRAINER_TESTS_COMPILE_CACHE']}"] if torch.cuda.is_available() else []
+
 # A model and batch small enough that a step takes milliseconds on 2 CPU cores.
 FAST = [
     "model.n_layer=2",
@@ -156,6 +166,34 @@ def torchrun(cmd: list, *, env=None, timeout=300, cwd=ROOT) -> subprocess.Comple
     return subprocess.CompletedProcess(cmd, ended["returncode"], stdout, stderr)
 
 
+def start_torchrun(cmd: list, *, env=None, cwd=ROOT):
+    """Start ``cmd`` (as for torchrun()) now, in a process of its own, beside what the caller runs next (torchrun()
+    launches one job at a time). Returns ``wait(timeout=300)``, which gives its ``subprocess.CompletedProcess``."""
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory()
+    out, err = (open(os.path.join(tmp.name, name), "w+") for name in ("stdout", "stderr"))  # noqa: SIM115
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=out, stderr=err, text=True)
+
+    def wait(timeout: float = 300) -> subprocess.CompletedProcess:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read())
+                f.close()
+            tmp.cleanup()
+        return subprocess.CompletedProcess(cmd, proc.returncode, *texts)
+
+    return wait
+
+
 def shared_run(tmp_path_factory, name: str, make) -> Path:
     """The directory ``make(directory)`` fills, made once per test session: by whichever pytest-xdist worker asks
     first, while another that asks waits for it (a module-scoped fixture alone runs once per worker). ``name`` is
@@ -185,6 +223,11 @@ def metric(run_dir: Path, key: str) -> dict[int, float]:
 def losses(run_dir: Path) -> dict[int, float]:
     """``{step: loss}`` from a run's metrics.jsonl."""
     return metric(run_dir, "loss")
+
+
+def pytest_unconfigure(config):
+    if _MADE_CACHE:
+        shutil.rmtree(_MADE_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,16 +10,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, ROOT, cli, losses, metric, rank_process, shared_run, torchrun
+from tests.conftest import (
+    FAST,
+    GPU_CACHE,
+    ROOT,
+    cli,
+    losses,
+    metric,
+    rank_process,
+    shared_run,
+    start_torchrun,
+    torchrun,
+)
 
 SHAPE = [f for f in FAST if not f.startswith("train.micro_batch_size")]
 
 
+def _fit_cmd(nproc: int, *args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "trainer", "fit", "configs/tiny.yaml", *args]  # fmt: skip
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
 def _torchrun(nproc: int, *args, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "trainer", "fit", "configs/tiny.yaml", *args]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return torchrun(cmd, timeout=timeout, env=env)
+    return torchrun(_fit_cmd(nproc, *args), timeout=timeout, env=_env())
 
 
 def _params(run_dir, step):
@@ -317,11 +334,12 @@ GPU_VARIANTS = {
 @pytest.mark.parametrize("variant", list(GPU_VARIANTS))
 def test_two_gpus_reproduce_one_gpu(variant, tmp_path):
     """NCCL: 2 GPUs x 4 sequences against 1 GPU x 8, in fp32 (no autocast) to compare closely."""
-    common = [*COMMON, "train.device=cuda", "train.precision=fp32"]
+    common = [*COMMON, *GPU_CACHE, "train.device=cuda", "train.precision=fp32", *GPU_VARIANTS[variant]]
     one, two = tmp_path / "one", tmp_path / "two"
-    r = _torchrun(1, *common, "train.micro_batch_size=8", *GPU_VARIANTS[variant], f"run.dir={one}")
+    wait_one = start_torchrun(_fit_cmd(1, *common, "train.micro_batch_size=8", f"run.dir={one}"), env=_env())
+    r = _torchrun(2, *common, "train.micro_batch_size=4", f"run.dir={two}")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _torchrun(2, *common, "train.micro_batch_size=4", *GPU_VARIANTS[variant], f"run.dir={two}")
+    r = wait_one()
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = losses(one), losses(two)
     for step in a:
@@ -359,9 +377,10 @@ def test_graphed_ddp_step_equals_ungraphed_on_two_gpus(tmp_path, impl):
     """compile.cudagraphs with ddp: the bucket all-reduces captured in the step's CUDA graph (fp32, accumulation,
     clipping, 12 steps): the replays give the ungraphed run's losses, and the graph was captured; with torch's
     fused AdamW and with ours (which reads the reduced gradients through its address table)."""
-    common = [*COMMON, "train.steps=12", "train.device=cuda", "train.precision=fp32", "distributed.strategy=ddp",
-              "compile.enabled=true", "distributed.bucket_mb=0.01", "train.micro_batch_size=2", "train.grad_accum=2",
-              "optim.grad_clip=1.0", "model.dropout=0.0", f"optim.impl={impl}"]  # fmt: skip
+    common = [*COMMON, *GPU_CACHE, "train.steps=12", "train.device=cuda", "train.precision=fp32",
+              "distributed.strategy=ddp", "compile.enabled=true", "distributed.bucket_mb=0.01",
+              "train.micro_batch_size=2", "train.grad_accum=2", "optim.grad_clip=1.0", "model.dropout=0.0",
+              f"optim.impl={impl}"]  # fmt: skip
     runs = {}
     for graphs in ("false", "true"):
         r = _torchrun(2, *common, f"compile.cudagraphs={graphs}", f"run.dir={tmp_path / graphs}")

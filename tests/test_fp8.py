@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.conftest import ROOT, losses
+from tests.conftest import GPU_CACHE, ROOT, losses
 
 torchao = pytest.importorskip("torchao")
 
@@ -127,7 +127,7 @@ def test_fp8_trains_like_bf16_and_the_report_lists_the_conversion(tmp_path, monk
 
 def _torchrun(nproc: int, *args: str, emulate: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer",
-           "fit", "configs/tiny.yaml", *MODEL, *args]  # fmt: skip
+           "fit", "configs/tiny.yaml", *MODEL, *GPU_CACHE, *args]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(EMULATE if emulate else {})}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
@@ -180,7 +180,14 @@ def test_fp8_on_the_gpu_matches_bf16(tmp_path):
         pytest.skip("needs float8 tensor cores")
     from trainer.cli import main
 
-    common = [*MODEL, "train.steps=20", "checkpoint.enabled=false", "train.micro_batch_size=8", "data.seq_len=256"]
+    common = [
+        *MODEL,
+        *GPU_CACHE,
+        "train.steps=20",
+        "checkpoint.enabled=false",
+        "train.micro_batch_size=8",
+        "data.seq_len=256",
+    ]
     assert main(["fit", "configs/tiny.yaml", *common, "train.precision=bf16", f"run.dir={tmp_path / 'bf16'}"]) == 0
     assert main(["fit", "configs/tiny.yaml", *common, "train.precision=fp8", f"run.dir={tmp_path / 'fp8'}"]) == 0
     a, b = losses(tmp_path / "bf16"), losses(tmp_path / "fp8")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, cli, losses, metric, shared_run, torchrun
-from tests.test_distributed import SHAPE, _params, _torchrun, _worker_env
+from tests.conftest import GPU_CACHE, ROOT, cli, losses, metric, shared_run, start_torchrun, torchrun
+from tests.test_distributed import SHAPE, _env, _fit_cmd, _params, _torchrun, _worker_env
 from tests.test_optim_kernels import DEVICE
 from tests.test_optim_kernels import _params as _tensors
 from trainer.optim.optimizers import TritonSGD
@@ -381,9 +381,20 @@ def test_table_kernels_lower_to_16_byte_accesses_on_h100():
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_two_gpus_fsdp_triton_reproduce_one_gpu(name, tmp_path):
     """NCCL, the kernels compiled for the GPU: 2 GPUs x 4 sequences with fsdp against 1 GPU x 8, both ours, fp32."""
-    common = [*OPTIMIZERS[name], "train.device=cuda", "train.precision=fp32", "compile.enabled=true"]
-    _run(1, tmp_path / "one", *common, "train.micro_batch_size=8")
-    _run(2, tmp_path / "two", *common, "train.micro_batch_size=4", "distributed.strategy=fsdp")
+    common = [
+        *COMMON,
+        *GPU_CACHE,
+        *OPTIMIZERS[name],
+        "train.device=cuda",
+        "train.precision=fp32",
+        "compile.enabled=true",
+    ]
+    two = [*common, "train.micro_batch_size=4", "distributed.strategy=fsdp", f"run.dir={tmp_path / 'two'}"]
+    wait_two = start_torchrun(_fit_cmd(2, *two), env=_env())  # beside the one-process run
+    r = cli(None, "fit", "configs/tiny.yaml", *common, "train.micro_batch_size=8", f"run.dir={tmp_path / 'one'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = wait_two()
+    assert r.returncode == 0, r.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     print(name, "max |loss diff|, 2 GPUs fsdp vs 1:", max(abs(a[s] - b[s]) for s in a))
     for step in a:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import FAST, ROOT, cli, losses, run_cli
+from tests.conftest import FAST, GPU_CACHE, ROOT, cli, losses, run_cli
 from trainer.config import ConfigError, load_config
 
 
@@ -44,7 +44,7 @@ def test_cudagraphs_refusal_is_a_user_error(tmp_path, capsys):
 def test_graphed_step_equals_ungraphed(tmp_path, impl):
     """fp32 on the GPU, compiled, 12 steps with grad accumulation and clipping: replays give the same losses,
     with torch's fused AdamW (auto) and with ours (triton: lr written before each replay)."""
-    common = [*FAST, "train.device=cuda", "train.precision=fp32", "compile.enabled=true", "train.steps=12",
+    common = [*FAST, *GPU_CACHE, "train.device=cuda", "train.precision=fp32", "compile.enabled=true", "train.steps=12",
               "log.every=1", "model.dropout=0.0", "train.grad_accum=2", "optim.grad_clip=1.0",
               f"optim.impl={impl}"]  # fmt: skip
     runs = {}

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, cli, shared_run, torchrun
+from tests.conftest import FAST, GPU_CACHE, cli, shared_run, torchrun
 from trainer import rundir
 from trainer.checkpoint import fault_point
 from trainer.distributed.env import DistEnv, restart_warning
@@ -96,7 +96,7 @@ def test_a_rank_killed_under_torchrun_restarts_on_two_gpus(tmp_path):
     first steps as ordinary compiled steps before it captures the graph (trainer.step.GRAPH_AFTER_STEPS), so steps
     11-13 of the restarted job are ordinary where the uninterrupted run's were replays, whose bf16 results differ
     in the last bits (observed: up to 8.5e-4 on losses near 4 by step 30; steps 1-10 equal bit for bit)."""
-    cuda = ["train.device=cuda", "model.dropout=0.0"]
+    cuda = ["train.device=cuda", "model.dropout=0.0", *GPU_CACHE]
     ref, run = tmp_path / "ref", tmp_path / "run"
     r = _job(ref, *cuda, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]

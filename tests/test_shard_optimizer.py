@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, cli, losses, metric, shared_run, torchrun
+from tests.conftest import FAST, GPU_CACHE, cli, losses, metric, shared_run, start_torchrun, torchrun
 from trainer.config import ConfigError, load_config
 from trainer.optim import zero
 
@@ -30,11 +30,17 @@ def _fit_here(capsys, *args):
     return r
 
 
+def _fit_cmd(nproc: int, *args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "trainer", "fit", "configs/tiny.yaml", *args]  # fmt: skip
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
 def _torchrun(nproc: int, *args, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "trainer", "fit", "configs/tiny.yaml", *args]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    r = torchrun(cmd, timeout=timeout, env=env)
+    r = torchrun(_fit_cmd(nproc, *args), timeout=timeout, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -141,10 +147,12 @@ def test_two_gpus_sharded_reproduce_one_gpu(optim, tmp_path):
     """NCCL (the reduce-scatter averages, the all-gather writes in place), torch's fused optimizer over the segments
     (what optim.impl=auto picks there), Inductor's graph pieces; fp32. Then a resume of the sharded step-4 checkpoint
     on one GPU."""
-    common = [*COMMON, *OPTIMS[optim], "train.device=cuda", "train.precision=fp32", "compile.enabled=true"]
+    common = [*COMMON, *GPU_CACHE, *OPTIMS[optim], "train.device=cuda", "train.precision=fp32", "compile.enabled=true"]
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    _torchrun(1, *common, *ONE, f"run.dir={one}")
+    wait_one = start_torchrun(_fit_cmd(1, *common, *ONE, f"run.dir={one}"), env=_env())
     r = _torchrun(2, *common, *TWO, *SHARDED, f"run.dir={two}")
+    r1 = wait_one()
+    assert r1.returncode == 0, r1.stderr[-3000:]
     out = r.stdout + r.stderr
     assert f"fused {optim}, optimizer state sharded over 2 ranks" in out
     blocker = "optim.name=sgd" if optim == "sgd" else "distributed.shard_optimizer=true"  # the first unmet need
