@@ -341,6 +341,23 @@ def main() -> None:
             f.result()
     for preset in presets:
         print(table(docs[preset]))
+        for line in loss_outliers(docs[preset]):
+            print(line, file=sys.stderr)
+
+
+def loss_outliers(doc: dict, ratio: float = 1.25) -> list[str]:
+    """A warning for each run whose final loss is over ``ratio`` times the median of the call's runs: a speed is
+    worth nothing if the training it timed went wrong (a diverged run still runs at full speed)."""
+    runs = [(v, w, r["final_loss"]) for v, by in doc["results"].items() for w, r in by.items() if "final_loss" in r]
+    if len(runs) < 2:
+        return []
+    median = sorted(loss for *_, loss in runs)[(len(runs) - 1) // 2]  # the lower median: of two, the smaller
+    return [
+        f"{doc['preset']} {v} x{w}: final loss {loss:.3f}, over {ratio}x the (lower) median of this call's runs "
+        f"({median:.3f}): check that run's training before using its speed"
+        for v, w, loss in runs
+        if loss > ratio * median
+    ]
 
 
 def table(doc: dict) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from scripts._variants import parse_variant
-from scripts.bench_ddp import VARIANTS, GpuPool
+from scripts.bench_ddp import VARIANTS, GpuPool, loss_outliers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,6 +152,23 @@ def test_fsdp_benchmark_runs_the_loop_and_ours_on_two_cpu_processes(tmp_path, mo
     assert doc["run"]["device"] == "cpu" and doc["run"]["tiny"]
     lines = table(doc).splitlines()
     assert sum("| hf-llama-1b (tiny) | 2 | 2 x 64 |" in line for line in lines) == 2
+
+
+def test_bench_ddp_names_a_run_whose_loss_went_wrong():
+    """Final losses of GPT-2 124M runs on 4 H100s: world 1, world 4 twice as expected, and once diverged."""
+
+    def run(loss):
+        return {"tokens_per_s_per_gpu": 4.6e5, "final_loss": loss}
+
+    doc = {"preset": "gpt2-small", "results": {"ours-ddp-graphed": {"1": run(3.159), "4": run(13.673)},
+                                              "ours-ddp-graphed@env:NCCL_PROTO=Simple": {"4": run(3.347)},
+                                              "ours-ddp": {"4": run(3.326)}}}  # fmt: skip
+    (line,) = loss_outliers(doc)
+    assert line.startswith("gpt2-small ours-ddp-graphed x4: final loss 13.673") and "median" in line
+    doc["results"]["ours-ddp-graphed"]["4"] = run(3.351)
+    assert loss_outliers(doc) == []
+    assert loss_outliers({"preset": "p", "results": {"v": {"4": run(13.0)}}}) == []  # nothing to compare with
+    assert len(loss_outliers({"preset": "p", "results": {"v": {"1": run(3.2), "4": run(13.0)}}})) == 1
 
 
 def _first_eval_step(t: float) -> float:
