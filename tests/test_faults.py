@@ -105,6 +105,20 @@ def test_nan_loss_on_one_rank_stops_every_rank_at_that_step(tmp_path, device):
     assert max(row["step"] for row in _rows(tmp_path)) == 4
 
 
+def test_a_wrong_sum_of_the_losses_stops_the_run_naming_it(tmp_path):
+    """Rank 1 receives every rank's step-5 losses 4 times over (as from a collective that summed wrongly): its own
+    slot is not its own loss, so it stops the job with the numbers. Rank 0, which received the right sums, logged
+    step 5 and no later one. (Gloo; the check itself is exact on any backend: one rank's loss plus zeros.)"""
+    r, _ = _torchrun("cpu", "train.steps=20", "log.every=1", f"run.dir={tmp_path}", fault="wrong_sum:5@1")
+    assert r.returncode != 0
+    err = r.stderr
+    assert err.count("step 5: the all-reduce of every rank's loss gave") == 1, err[-3000:]
+    assert "for rank 1, whose own loss is" in err and "A collective returned a wrong sum" in err
+    assert "[rank1]: Traceback" not in err, err[-3000:]
+    print(err[-1500:])
+    assert max(row["step"] for row in _rows(tmp_path)) == 5
+
+
 def test_disk_full_during_a_checkpoint_keeps_the_last_one(tmp_path, capsys, monkeypatch):
     """One process: ENOSPC while writing the step-20 checkpoint: exit 1 naming the file, step 10 stays last, the
     partial checkpoint is gone; resume=last continues from step 10 and drops the metrics rows past it."""

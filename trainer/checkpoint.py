@@ -92,8 +92,9 @@ def fault_point(point: str, step: int, rank: int = 0) -> bool:
     Points: ``checkpoint_write`` (between two files of a checkpoint), ``after_checkpoint`` and ``kill`` (a step
     launched) SIGKILL this process; ``sigterm`` (a step launched) sends SIGTERM to torchrun's launcher, which passes
     it to every rank, as a scheduler stopping the job does (outside torchrun, to this process); ``raise`` (a step
-    launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks) and ``disk_full`` (this
-    rank's last checkpoint file fails with ENOSPC) return True for the caller to act on. Returns False everywhere
+    launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks), ``wrong_sum`` (every
+    rank's losses, as this rank received them) and ``disk_full`` (this rank's last checkpoint file fails with ENOSPC)
+    return True for the caller to act on. Returns False everywhere
     else.
     """
     spec = os.environ.get("TRAINER_FAULT")

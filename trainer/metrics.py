@@ -20,6 +20,7 @@ from trainer import console
 from trainer.checkpoint import fault_point
 from trainer.distributed.env import per_rank
 from trainer.io import atomic_write_text
+from trainer.step import TrainingError
 
 # Dense bf16 peak FLOP/s by device-name substring, first match wins (datasheet numbers).
 # ``log.peak_flops`` overrides this; MFU is absent for devices not listed.
@@ -280,6 +281,19 @@ def copy_to_host(*values):
     return read
 
 
+def _check_own_slot(losses: list[float], own: float, rank: int, step: int) -> None:
+    """Every rank's losses come from an all-reduce (a sum) of one-hot rows, so this rank's slot is its own loss plus
+    exact zeros: anything else means the collective returned a wrong sum, and then the gradients reduced over the
+    same process group cannot be trusted either. Raises :class:`~trainer.step.TrainingError` (a non-finite loss is
+    the NaN check's to report)."""
+    if math.isfinite(own) and losses[rank] != own:
+        raise TrainingError(
+            f"step {step}: the all-reduce of every rank's loss gave {losses[rank]!r} for rank {rank}, whose own loss "
+            f"is {own!r} (all ranks: {losses}). A collective returned a wrong sum, so the gradients reduced over the "
+            "same process group may be wrong too: stopping."
+        )
+
+
 class StepLog:
     """Each training step's loss and gradient norm, read one step late, into records for :class:`Metrics`.
 
@@ -340,7 +354,10 @@ class StepLog:
         if fault_point("nan_loss", step, rank):  # tests: this rank's loss is not finite
             loss = loss * float("nan")
         losses = per_rank(loss, self.env) if self.env.distributed else loss  # (world,): every rank's
-        read = copy_to_host(losses, out.grad_norm)  # started now, waited for at the read
+        if fault_point("wrong_sum", step, rank):  # tests: the losses' all-reduce gives a wrong sum on this rank
+            losses = losses * 4
+        own = loss if self.env.distributed else None  # what this rank's slot of ``losses`` must hold, exactly
+        read = copy_to_host(losses, out.grad_norm, own)  # started now, waited for at the read
         self.pending = {"step": step, "read": read, "lr": lr, "tokens": tokens, "out": out}
 
     def reads_at_once(self, step: int) -> bool:
@@ -354,9 +371,10 @@ class StepLog:
         if p is None:
             return None
         step, first = p["step"], p["step"] == self.start_step + 1
-        loss, grad_norm = p["read"]()  # waits for this step's numbers only, not for the queued next step
+        loss, grad_norm, own = p["read"]()  # waits for this step's numbers only, not for the queued next step
         ranks = None
         if isinstance(loss, list):  # every rank's: the mean, and which ranks were not finite
+            _check_own_slot(loss, own, self.env.rank, step)
             ranks, loss = [r for r, x in enumerate(loss) if not math.isfinite(x)], sum(loss) / len(loss)
         self.timer.tick(self.tokens_per_step, first=first)
         if p["out"].skipped:  # not finite, and not applied: train.on_nan=skip
