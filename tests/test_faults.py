@@ -119,6 +119,19 @@ def test_a_wrong_sum_of_the_losses_stops_the_run_naming_it(tmp_path):
     assert max(row["step"] for row in _rows(tmp_path)) == 5
 
 
+def test_replicas_that_differ_stop_every_rank_before_the_checkpoint(tmp_path):
+    """Rank 1's parameters move at step 4, a checkpoint step: the ranks compare their parameters' fingerprints
+    there, all stop with one message naming rank 1, and the step-2 checkpoint stays the last."""
+    r, _ = _torchrun("cpu", "train.steps=20", "checkpoint.every=2", f"run.dir={tmp_path}", fault="replica_drift:4@1")
+    assert r.returncode != 0
+    err = r.stderr
+    assert err.count("step 4: the data-parallel replicas' parameters differ: rank(s) 1 against rank 0") == 1, err[
+        -3000:
+    ]
+    assert "stopping without saving" in err and "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err
+    assert _last(tmp_path) == "step_000002"
+
+
 def test_disk_full_during_a_checkpoint_keeps_the_last_one(tmp_path, capsys, monkeypatch):
     """One process: ENOSPC while writing the step-20 checkpoint: exit 1 naming the file, step 10 stays last, the
     partial checkpoint is gone; resume=last continues from step 10 and drops the metrics rows past it."""

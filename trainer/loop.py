@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from trainer import build, console, describe, memory, plan, rundir
-from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer
+from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, fault_point
 from trainer.compile import cache
 from trainer.compile.report import RecompileLimitError
 from trainer.config import Config, to_dict
@@ -25,7 +25,7 @@ from trainer.distributed import env as dist_env
 from trainer.metrics import Metrics, StepLog, peak_flops
 from trainer.models import flops_per_token
 from trainer.state import CompileCache, run_states
-from trainer.step import TrainingError, non_finite_loss
+from trainer.step import TrainingError, check_replicas, non_finite_loss
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -104,8 +104,6 @@ class Trainer:
         log = StepLog(metrics, env=env, start_step=progress.step, last_step=cfg.train.steps, log_every=cfg.log.every,
                       tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(raw_model, cfg.data.seq_len),
                       peak_flops=peak_flops(device, cfg.log.peak_flops), compiled=compiling, check=check)  # fmt: skip
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         model.train()
         try:
             while progress.step < cfg.train.steps:
@@ -117,6 +115,8 @@ class Trainer:
                 due = _due(cfg, step, env, signals)
                 if due.evaluate or due.save or due.stop or log.reads_at_once(step):
                     record = log.read(force=due.evaluate)  # now, before anything reads the state
+                    if (due.evaluate or due.save) and resolved.strategy.ddp:  # before a checkpoint keeps rank 0's
+                        check_replicas(raw_model, env, step, drift=fault_point("replica_drift", step, env.rank))
                     if due.evaluate:  # the first evaluation compiles its own (eval, no-grad) graph: expected
                         with watcher.expect_first("eval") if watcher else contextlib.nullcontext():
                             record["val_loss"] = train_step.evaluate(batches.val_batch, cfg.train.eval_batches)

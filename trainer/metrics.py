@@ -340,6 +340,8 @@ class StepLog:
         self.log_every, self.tokens_per_step, self.compiled, self.check = log_every, tokens_per_step, compiled, check
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.timer = StepTimer()
+        if env.device.type == "cuda":  # the peak the records report: the training's, from here
+            torch.cuda.reset_peak_memory_stats(env.device)
         self.pending: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}  # the newest record written
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import console
 from trainer.distributed import env as dist_env
+from trainer.distributed.ddp import replicas_differ
 from trainer.distributed.fsdp import is_sharded
 from trainer.distributed.sync import GradSync, NoSync
 from trainer.models import loss_of
@@ -63,6 +64,16 @@ def non_finite_loss(loss: float, step: int, ranks: list[int] | None, world_size:
         "schedule.warmup_steps, check the data, or set train.on_nan=skip.",
         all_ranks=ranks is not None,
     )
+
+
+def check_replicas(model: nn.Module, env: dist_env.DistEnv, step: int, *, drift: bool = False) -> None:
+    """Stop every rank at once if the ddp replicas' parameters differ (:func:`trainer.distributed.ddp.replicas_differ`).
+    ``drift`` (tests): this rank's parameters first move away from the others'."""
+    if drift:
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+    if why := replicas_differ(model.parameters(), env):
+        raise TrainingError(f"step {step}: {why}: stopping without saving.", all_ranks=True)
 
 
 class StepOptimizer(Protocol):

@@ -244,6 +244,27 @@ class DataParallel(nn.Module):
         self._launch(bucket.index)
 
 
+def replicas_differ(params, env) -> str | None:
+    """Under ddp every rank holds the same parameters, bit for bit: each applies the same update to the same
+    all-reduced gradients. A fingerprint of them (each parameter's norm, weighted by its position, summed: the same
+    kernels on the same bits give the same number) is compared over the ranks; None when every rank's equals rank
+    0's, else which ranks differ. A collective and a host sync: for evaluation and checkpoint steps."""
+    from trainer.distributed.env import per_rank
+
+    params = [p.detach() for p in params]
+    norms = torch.stack(torch._foreach_norm([p.float() if p.dtype != torch.float32 else p for p in params]))
+    weights = torch.arange(1, len(params) + 1, dtype=norms.dtype, device=norms.device)
+    every = per_rank((norms * weights).sum(), env).tolist()
+    differ = [r for r, x in enumerate(every) if x != every[0]]
+    if not differ:
+        return None
+    return (
+        f"the data-parallel replicas' parameters differ: rank(s) {', '.join(map(str, differ))} against rank 0 "
+        f"(fingerprints {every}). Each rank applies the same all-reduced gradients, so a collective gave ranks "
+        "different results"
+    )
+
+
 def _storage_refs(t: torch.Tensor) -> int:
     storage = t.untyped_storage()  # held while counting, as in the calibration
     return torch._C._storage_Use_Count(storage._cdata)
