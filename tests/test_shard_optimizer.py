@@ -1,13 +1,11 @@
 """distributed.shard_optimizer: 2 gloo ranks under torchrun, each keeping half of the optimizer state, reproduce one
 process; checkpoints hold the whole state and resume across world sizes, with or without sharding."""
 
-import os
-import sys
-
 import pytest
 import torch
 
 from tests.conftest import FAST, GPU_CACHE, cli, losses, metric, shared_run, start_torchrun, torchrun
+from tests.test_distributed import _env, _fit_cmd
 from trainer.config import ConfigError, load_config
 from trainer.optim import zero
 
@@ -28,15 +26,6 @@ def _fit_here(capsys, *args):
     r = cli(capsys, "fit", "configs/tiny.yaml", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
-
-
-def _fit_cmd(nproc: int, *args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "trainer", "fit", "configs/tiny.yaml", *args]  # fmt: skip
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _torchrun(nproc: int, *args, timeout=300):
