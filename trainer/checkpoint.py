@@ -93,9 +93,9 @@ def fault_point(point: str, step: int, rank: int = 0) -> bool:
     launched) SIGKILL this process; ``sigterm`` (a step launched) sends SIGTERM to torchrun's launcher, which passes
     it to every rank, as a scheduler stopping the job does (outside torchrun, to this process); ``raise`` (a step
     launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks), ``wrong_sum`` (every
-    rank's losses, as this rank received them) and ``disk_full`` (this rank's last checkpoint file fails with ENOSPC)
-    return True for the caller to act on. Returns False everywhere
-    else.
+    rank's losses, as this rank received them), ``replica_drift`` (this rank's parameters, before the ddp replicas are
+    compared) and ``disk_full`` (this rank's last checkpoint file fails with ENOSPC) return True for the caller to act
+    on. Returns False everywhere else.
     """
     spec = os.environ.get("TRAINER_FAULT")
     if not spec:

@@ -49,6 +49,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from trainer import console
 from trainer.distributed.buckets import BucketPlan
+from trainer.distributed.env import per_rank
 
 
 class DataParallel(nn.Module):
@@ -249,10 +250,8 @@ def replicas_differ(params, env) -> str | None:
     all-reduced gradients. A fingerprint of them (each parameter's norm, weighted by its position, summed: the same
     kernels on the same bits give the same number) is compared over the ranks; None when every rank's equals rank
     0's, else which ranks differ. A collective and a host sync: for evaluation and checkpoint steps."""
-    from trainer.distributed.env import per_rank
-
     params = [p.detach() for p in params]
-    norms = torch.stack(torch._foreach_norm([p.float() if p.dtype != torch.float32 else p for p in params]))
+    norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))  # no fp32 copies of bf16 parameters
     weights = torch.arange(1, len(params) + 1, dtype=norms.dtype, device=norms.device)
     every = per_rank((norms * weights).sum(), env).tolist()
     differ = [r for r, x in enumerate(every) if x != every[0]]
