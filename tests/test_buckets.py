@@ -77,6 +77,58 @@ def test_fsdp_units_are_the_plans_blocks():
     assert block_units(model, None, None) == [[h[4]], [h[3]], [h[2]], [h[1]], [h[0]]]
 
 
+def test_fsdp_keeps_the_forwards_last_units_gathered_into_the_backward():
+    """distributed.keep_gathered: the first units of the gradient-ready order (the forward's last) are not resharded
+    after their forward; the others are, until reshard_after_forward=false keeps them all. What shows it is FSDP2's
+    own state after a forward: a resharded unit's parameters are DTensors again, a kept one's whole tensors."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from trainer.distributed.fsdp import apply_fsdp, block_units
+
+    def gathered_after_forward(reshard: bool, keep: int) -> list[bool]:
+        model = _gpt(4)
+        units = block_units(model, None, None)  # a unit per block: h3, h2, h1, h0
+        apply_fsdp(model, units, param_dtype=None, reduce_dtype=None, reshard_after_forward=reshard,
+                   keep_gathered=keep)  # fmt: skip
+        x = torch.randint(0, 64, (2, 16))
+        model(x, x)
+        return [not isinstance(u[0].attn.c_attn.weight, DTensor) for u in units]
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process: no port
+    try:
+        assert gathered_after_forward(True, 0) == [False, False, False, False]
+        assert gathered_after_forward(True, 1) == [True, False, False, False]  # the default: the last block's unit
+        assert gathered_after_forward(True, 3) == [True, True, True, False]
+        assert gathered_after_forward(False, 0) == [True, True, True, True]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_explain_and_the_memory_model_count_the_units_kept_gathered():
+    from tests.conftest import ROOT
+    from trainer.config import load_config
+    from trainer.describe import fsdp_units_report
+    from trainer.memory import static_parts
+
+    model = _gpt(5)
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+
+    def cfg(*extra):
+        return load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=fsdp", "distributed.fsdp_unit_mb=0",
+                                                        "distributed.param_dtype=bf16", *extra])  # fmt: skip
+
+    text = fsdp_units_report(model, cfg("distributed.keep_gathered=2"))
+    kept = [line for line in text.splitlines() if "kept gathered" in line]
+    assert len(kept) == 2 and "transformer.h.4 " in kept[0] and "transformer.h.3 " in kept[1], text
+    gathered = {k: static_parts(model, cfg(f"distributed.keep_gathered={k}"), world=2)["gathered (fsdp)"][0]
+                for k in (0, 1, 3)}  # fmt: skip
+    assert gathered[0] == gathered[1] == 2 * block * 2  # two bf16 units: the one computing, the one prefetched
+    assert gathered[3] == 4 * block * 2  # three kept, one prefetched
+    every = static_parts(model, cfg("distributed.reshard_after_forward=false"), world=2)["gathered (fsdp)"][0]
+    assert every == sum(p.numel() for p in model.parameters()) * 2
+
+
 def test_explain_describes_the_fsdp_units():
     from tests.conftest import ROOT
     from trainer.config import load_config
@@ -94,7 +146,7 @@ def test_explain_describes_the_fsdp_units():
     assert "fsdp: 3 fully_shard unit(s)" in text, text
     assert "| transformer.h.4 " in text and "transformer.h.1 .. transformer.h.0 (2 blocks)" in text, text
     total = sum(p.numel() * 4 for p in model.parameters()) / MiB
-    listed = sum(float(line.rsplit("|", 1)[1].split()[0]) for line in text.splitlines()[1:])
+    listed = sum(float(line.split("|")[2].split()[0]) for line in text.splitlines()[1:])
     assert abs(listed - total) < 0.02, (listed, total)  # every parameter in a unit or the root, once
     assert "fsdp: 5 fully_shard unit(s) of blocks (a unit per block)" in report(0)
 

@@ -469,6 +469,7 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
         param_dtype=None if param_dtype in (None, torch.float32) else param_dtype,
         reduce_dtype=DTYPES[plan.reduce_dtype],
         reshard_after_forward=d.reshard_after_forward,
+        keep_gathered=d.keep_gathered,
     )
     materialize_from_rank0(model, full, env.device)
 

@@ -105,9 +105,10 @@ def precision_name(dtype) -> str:
 
 def fsdp_units_report(model: nn.Module, cfg: Config) -> str:
     """``trainer explain``'s view of the FSDP units (as :func:`shard` builds them)."""
-    from trainer.distributed.fsdp import describe_units
+    from trainer.distributed.fsdp import describe_units, kept_units
 
-    return describe_units(model, fsdp_units(model, cfg), cfg.distributed.fsdp_unit_mb)
+    units, d = fsdp_units(model, cfg), cfg.distributed
+    return describe_units(model, units, d.fsdp_unit_mb, kept_units(len(units), d.reshard_after_forward, d.keep_gathered))
 
 
 def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:

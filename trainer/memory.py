@@ -7,7 +7,8 @@ The prediction is a sum of parts:
   (AdamW two, SGD with momentum one), all three divided by the world under fsdp, the state alone under
   ``distributed.shard_optimizer``;
 - **fsdp's gathered parameters**: two units in ``distributed.param_dtype`` (the one computing, the one prefetched),
-  or every unit with ``distributed.reshard_after_forward=false``;
+  or the ``distributed.keep_gathered`` units kept from the forward into the backward and one prefetched, or every
+  unit with ``distributed.reshard_after_forward=false``;
 - **the workspace**: cuBLAS's, a fixed 64 MiB on CUDA;
 - **the optimizer step's temporaries** (torch's ``foreach`` Adam keeps one fp32 tensor per parameter; ``fused``
   and the Triton optimizer none), which replace the activations once the backward has freed them: the peak is
@@ -87,10 +88,17 @@ def static_parts(
         else:
             try:
                 units = block_units(model, cfg.compile.blocks, cfg.distributed.fsdp_unit_mb or None)
-                unit = max(sum(p.numel() for m in u for p in m.parameters()) for u in units)
+                sizes = [sum(p.numel() for m in u for p in m.parameters()) for u in units]
             except ValueError:  # no repeated blocks: one unit
-                unit = n
-            parts["gathered (fsdp)"] = (2 * unit * gathered_bytes, "two units: the one computing, the one prefetched")
+                sizes = [n]
+            kept = min(cfg.distributed.keep_gathered, len(sizes))
+            # At the backward's start: the kept units, and the next one prefetched; at least two units (the one
+            # computing, the one prefetched) at any time.
+            held = max(sum(sizes[:kept]) + max(sizes[kept:], default=0), 2 * max(sizes))
+            what = f"{kept} unit(s) kept from forward to backward, one prefetched" if kept > 1 else (
+                "two units: the one computing, the one prefetched"
+            )
+            parts["gathered (fsdp)"] = (held * gathered_bytes, what)
     if device_type == "cuda":
         parts["workspace"] = (WORKSPACE, "cuBLAS")
     return parts

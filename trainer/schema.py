@@ -247,6 +247,10 @@ class DistributedConfig:
     time per unit, so small blocks gain from sharing one."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (less memory, one more all-gather)."""
+    keep_gathered: int = _f(1, ge=0)
+    """FSDP with reshard_after_forward=true: the forward's last this-many units keep their gathered parameters into
+    the backward, which needs them first: no second all-gather for them, their memory held until their backward.
+    1, as torchtitan: the last unit, whose backward comes at once."""
     param_dtype: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16"])
     """FSDP: dtype parameters are gathered in for compute; auto = train.precision's (bf16 on GPU)."""
     timeout_s: float = _f(300.0, gt=0.0)

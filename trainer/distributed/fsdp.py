@@ -41,6 +41,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
+    keep_gathered: int = 0,
 ) -> nn.Module:
     """Shard ``model`` in place: each unit of blocks (see :func:`block_units`), then the root. Returns ``model``.
 
@@ -50,12 +51,15 @@ def apply_fsdp(
         reduce_dtype: dtype gradients are reduce-scattered in (None: ``param_dtype``).
         reshard_after_forward: free each unit's gathered parameters after its forward (gathered
             again for the backward). The root keeps them: its backward comes first.
+        keep_gathered: with ``reshard_after_forward``, the first this-many of ``units`` (the forward's last) keep
+            theirs too: the backward starts with them.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    for i, unit in enumerate(units):
+        reshard = reshard_after_forward and i >= keep_gathered
+        fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     return model
 
@@ -130,8 +134,15 @@ def block_units(model: nn.Module, blocks: str | None, unit_mb: float | None) -> 
     return [u for u in units if u]
 
 
-def describe_units(model: nn.Module, units: list[list[nn.Module]], unit_mb: float | None) -> str:
-    """``trainer explain``'s view of the FSDP units: one line per unit (its blocks, MiB of parameters as stored)."""
+def kept_units(n_units: int, reshard_after_forward: bool, keep_gathered: int) -> int:
+    """How many of the units (the first, in gradient-ready order) keep their gathered parameters from the forward
+    into the backward."""
+    return min(keep_gathered, n_units) if reshard_after_forward else n_units
+
+
+def describe_units(model: nn.Module, units: list[list[nn.Module]], unit_mb: float | None, kept: int = 0) -> str:
+    """``trainer explain``'s view of the FSDP units: one line per unit (its blocks, MiB of parameters as stored,
+    and whether it stays gathered into the backward: the first ``kept``)."""
     names = {id(m): n for n, m in model.named_modules()}
     cap = f"cap {unit_mb:g} MiB" if unit_mb else "a unit per block"
     lines = [f"fsdp: {len(units)} fully_shard unit(s) of blocks ({cap}), in gradient-ready order, then the root"]
@@ -139,7 +150,8 @@ def describe_units(model: nn.Module, units: list[list[nn.Module]], unit_mb: floa
         first, last = names[id(unit[0])], names[id(unit[-1])]
         span = first if len(unit) == 1 else f"{first} .. {last} ({len(unit)} blocks)"
         mib = sum(p.numel() * p.element_size() for m in unit for p in m.parameters()) / (1 << 20)
-        lines.append(f"  unit {i:>2} | {span:<50} | {mib:8.2f} MiB")
+        keep = " | kept gathered into the backward" if i < kept else ""
+        lines.append(f"  unit {i:>2} | {span:<50} | {mib:8.2f} MiB{keep}")
     rest = {id(p) for u in units for m in u for p in m.parameters()}
     root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in rest) / (1 << 20)
     lines.append(f"  root    | {'everything else (embeddings, head)':<50} | {root:8.2f} MiB")
