@@ -108,7 +108,8 @@ def fsdp_units_report(model: nn.Module, cfg: Config) -> str:
     from trainer.distributed.fsdp import describe_units, kept_units
 
     units, d = fsdp_units(model, cfg), cfg.distributed
-    return describe_units(model, units, d.fsdp_unit_mb, kept_units(len(units), d.reshard_after_forward, d.keep_gathered))
+    kept = kept_units(len(units), d.reshard_after_forward, d.keep_gathered)
+    return describe_units(model, units, d.fsdp_unit_mb, kept)
 
 
 def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:

@@ -95,8 +95,10 @@ def static_parts(
             # At the backward's start: the kept units, and the next one prefetched; at least two units (the one
             # computing, the one prefetched) at any time.
             held = max(sum(sizes[:kept]) + max(sizes[kept:], default=0), 2 * max(sizes))
-            what = f"{kept} unit(s) kept from forward to backward, one prefetched" if kept > 1 else (
-                "two units: the one computing, the one prefetched"
+            what = (
+                f"{kept} unit(s) kept from forward to backward, one prefetched"
+                if kept > 1
+                else ("two units: the one computing, the one prefetched")
             )
             parts["gathered (fsdp)"] = (held * gathered_bytes, what)
     if device_type == "cuda":
