@@ -59,7 +59,7 @@ def static_parts(
     model: nn.Module, cfg: Config, world: int = 1, device_type: str = "cuda"
 ) -> dict[str, tuple[float, str]]:
     """Bytes per rank of what does not scale with the micro-batch, by part, each with how it was counted."""
-    from trainer.distributed.fsdp import block_units
+    from trainer.distributed.fsdp import block_units, kept_units
     from trainer.plan import Strategy
 
     strategy = Strategy(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
@@ -91,14 +91,14 @@ def static_parts(
                 sizes = [sum(p.numel() for m in u for p in m.parameters()) for u in units]
             except ValueError:  # no repeated blocks: one unit
                 sizes = [n]
-            kept = min(cfg.distributed.keep_gathered, len(sizes))
+            kept = kept_units(len(sizes), True, cfg.distributed.keep_gathered)
             # At the backward's start: the kept units, and the next one prefetched; at least two units (the one
             # computing, the one prefetched) at any time.
             held = max(sum(sizes[:kept]) + max(sizes[kept:], default=0), 2 * max(sizes))
             what = (
                 f"{kept} unit(s) kept from forward to backward, one prefetched"
                 if kept > 1
-                else ("two units: the one computing, the one prefetched")
+                else "two units: the one computing, the one prefetched"
             )
             parts["gathered (fsdp)"] = (held * gathered_bytes, what)
     if device_type == "cuda":

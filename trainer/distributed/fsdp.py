@@ -57,9 +57,9 @@ def apply_fsdp(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kept = kept_units(len(units), reshard_after_forward, keep_gathered)
     for i, unit in enumerate(units):
-        reshard = reshard_after_forward and i >= keep_gathered
-        fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=i >= kept)
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     return model
 
