@@ -166,8 +166,9 @@ def _spawn(a, preset: str, variant: str, world: int, gpus: list[int] | None, por
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": a.cache_dir, "OMP_NUM_THREADS": "1",
            "TRITON_CACHE_DIR": os.path.join(a.cache_dir, "triton"), "PYTHONUNBUFFERED": "1",
            **_spec(variant)["env"]}  # fmt: skip
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    if gpus is not None:  # indices into the GPUs this process sees (a CUDA_VISIBLE_DEVICES of its own included)
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(seen.split(",")[g] if seen else str(g) for g in gpus)
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
