@@ -160,15 +160,21 @@ def _worker(a) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
+def visible_devices(gpus: list[int]) -> str:
+    """A job's ``CUDA_VISIBLE_DEVICES`` for ``gpus``, indices into the GPUs this process sees: through its own
+    ``CUDA_VISIBLE_DEVICES`` when it has one."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return ",".join(seen.split(",")[g] if seen else str(g) for g in gpus)
+
+
 def _spawn(a, preset: str, variant: str, world: int, gpus: list[int] | None, port: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--master-addr=127.0.0.1",
            f"--master-port={port}", __file__, "--worker", variant, *_pass_through(a, preset)]  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": a.cache_dir, "OMP_NUM_THREADS": "1",
            "TRITON_CACHE_DIR": os.path.join(a.cache_dir, "triton"), "PYTHONUNBUFFERED": "1",
            **_spec(variant)["env"]}  # fmt: skip
-    if gpus is not None:  # indices into the GPUs this process sees (a CUDA_VISIBLE_DEVICES of its own included)
-        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(seen.split(",")[g] if seen else str(g) for g in gpus)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus)
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)

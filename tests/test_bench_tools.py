@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from scripts._variants import parse_variant
-from scripts.bench_ddp import VARIANTS, GpuPool, loss_outliers
+from scripts.bench_ddp import VARIANTS, GpuPool, loss_outliers, visible_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -277,3 +277,11 @@ def test_bench_fsdp_skips_the_larger_micro_batches_of_a_setting_that_ran_out_of_
     out = capsys.readouterr().out
     assert "hf-llama-1b:2:8:loop:none: skipped (out of memory at micro-batch 4 in this call)" in out
     assert "| hf-llama-1b | 2 | loop | none, 2 | 2.0K | 1.0 | - | - | none 2 (OOM at 4) |" in out
+
+
+def test_visible_devices_map_through_the_scripts_own(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_devices([0, 1]) == "0,1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the script was given GPUs 2 and 3
+    assert visible_devices([1]) == "3"
+    assert visible_devices([0, 1]) == "2,3"
