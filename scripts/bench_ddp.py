@@ -361,7 +361,8 @@ def loss_outliers(doc: dict, ratio: float = 1.25) -> list[str]:
     median = sorted(loss for *_, loss in runs)[(len(runs) - 1) // 2]  # the lower median: of two, the smaller
     return [
         f"{doc['preset']} {v} x{w}: final loss {loss:.3f}, over {ratio}x the (lower) median of this call's runs "
-        f"({median:.3f}): check that run's training before using its speed"
+        f"({median:.3f}): check that run's training before using its speed (AdamW without warm-up can spike at "
+        "one step, on some paths and not others: docs/troubleshooting.md)"
         for v, w, loss in runs
         if loss > ratio * median
     ]
