@@ -178,23 +178,92 @@ def test_search_steps_down_after_an_unpredicted_out_of_memory(monkeypatch, tmp_p
     ]
 
 
-def test_search_adds_fp8_and_unit_sizes_on_the_fastest(monkeypatch, tmp_path):
+class Faster(FakeDevice):
+    """fp8, every unit kept gathered and bf16 reduction each faster; keeping the units gathered costs ``KEPT``."""
+
+    GAIN = {"train.precision=fp8": 1.2, "distributed.reshard_after_forward=false": 1.05,
+            "distributed.reduce_dtype=bf16": 1.02}  # fmt: skip
+    KEPT = 10 * GB
+
+    def run(self, mode, micro_batch, overrides, predicted=None):
+        kept = "distributed.reshard_after_forward=false" in overrides
+        p = super().run(mode, micro_batch, overrides, predicted)
+        self.calls[-1] = (
+            mode,
+            micro_batch,
+            tuple(
+                o
+                for o in overrides
+                if o.startswith(("train.", "distributed."))
+                and not o.startswith(("train.micro", "train.grad", "train.act"))
+            ),
+        )
+        if p.status != "ok":
+            return p
+        if kept and p.peak + self.KEPT > 60 * GB:
+            return Point(mode, micro_batch, None, status="out of memory", overrides=overrides, seconds=1)
+        for o in overrides:
+            p.tokens_per_s *= self.GAIN.get(o, 1.0)
+        p.peak += self.KEPT if kept else 0
+        return p
+
+
+def _fsdp_session(monkeypatch, tmp_path, device, per_rank):
     monkeypatch.setattr(tune, "installed", lambda name: name == "torchao")
-    device = FakeDevice()
     s = _session(
         monkeypatch,
         tmp_path,
-        ["train.micro_batch_size=2", "train.grad_accum=1", "train.precision=bf16", "distributed.strategy=fsdp"],
+        [f"train.micro_batch_size={per_rank}", "train.grad_accum=1", "train.precision=bf16",
+         "distributed.strategy=fsdp"],
         device,
         60 * GB,
         "9.0",
-    )
+    )  # fmt: skip
     s.world = tune.World(size=2)
     s.world.broadcast = lambda obj: obj
     s.estimate.parts = {"counted": (16 * GB, "")}
+    return s
+
+
+def test_search_adds_fp8_fsdp_settings_and_unit_sizes_on_the_fastest(monkeypatch, tmp_path):
+    """After the modes: fp8, then every unit kept gathered, then bf16 reduction, then half and twice the unit size,
+    each on the fastest so far, keeping the settings that made it the fastest."""
+    device = Faster()
+    s = _fsdp_session(monkeypatch, tmp_path, device, 2)
     tune.search(s)
-    extras = [x for _, _, x in device.calls if x]
-    assert extras == [("train.precision=fp8",), ("distributed.fsdp_unit_mb=256",), ("distributed.fsdp_unit_mb=1024",)]
+    fp8, kept, bf16 = "train.precision=fp8", "distributed.reshard_after_forward=false", "distributed.reduce_dtype=bf16"
+    assert [x for _, _, x in device.calls if x] == [
+        (fp8,),
+        (fp8, kept),
+        (fp8, kept, bf16),
+        (fp8, kept, bf16, "distributed.fsdp_unit_mb=256"),
+        (fp8, kept, bf16, "distributed.fsdp_unit_mb=1024"),
+    ]
+    best = tune.fastest(s.measured)
+    assert best.micro_batch == 2 and {fp8, kept, bf16} <= set(best.overrides)
+
+
+def _kept_runs(device, s) -> list[tuple[int, str]]:
+    """(micro-batch, status) of the candidates that kept every unit gathered."""
+    kept = "distributed.reshard_after_forward=false"
+    return [(b, p.status) for (_, b, x), p in zip(device.calls, s.measured) if kept in x]
+
+
+def test_search_keeps_the_units_gathered_one_micro_batch_smaller_where_the_fastest_does_not_fit(monkeypatch, tmp_path):
+    """Keeping every unit gathered needs 40 GB more: at the fastest micro-batch (4: 28 GB) it runs out of memory,
+    so it is tried once at the next smaller one (2: 22 + 40 GB, out again: no third try)."""
+    device = Faster()
+    device.KEPT = 40 * GB
+    s = _fsdp_session(monkeypatch, tmp_path, device, 4)
+    monkeypatch.setattr(tune, "fp8_possible", lambda s: False)
+    tune.search(s)
+    assert _kept_runs(device, s) == [(4, "out of memory"), (2, "out of memory")]
+    device.calls.clear()
+    device.KEPT = 35 * GB  # 4: 28 + 35 GB does not fit; 2: 22 + 35 GB fits
+    s = _fsdp_session(monkeypatch, tmp_path, device, 4)
+    monkeypatch.setattr(tune, "fp8_possible", lambda s: False)
+    tune.search(s)
+    assert _kept_runs(device, s) == [(4, "out of memory"), (2, "ok")]
 
 
 def test_tune_on_the_cpu_writes_a_config_that_trains(tmp_path):

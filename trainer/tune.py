@@ -304,7 +304,9 @@ def search(s: Session) -> None:
     On CUDA, for each checkpointing mode in order of cost (none, selective, full): a probe at the config's
     micro-batch (unless one was measured before), then the largest micro-batch the estimate says fits; a mode is
     tried only where it fits a larger micro-batch than the cheaper modes did. Then, on the fastest: fp8 where the
-    GPU has float8 tensor cores and torchao is installed, and half and twice the bucket (ddp) or unit (fsdp) size.
+    GPU has float8 tensor cores and torchao is installed; under fsdp, every unit kept gathered into the backward
+    (one micro-batch smaller if it runs out of memory), then gradients reduced in bf16; half and twice the bucket
+    (ddp) or unit (fsdp) size.
     On CPU: the micro-batches, largest first (checkpointing only slows a step there), then half the threads."""
     cfg, est = s.cfg, s.estimate
     sizes = divisors(s.per_rank)
@@ -342,6 +344,18 @@ def search(s: Session) -> None:
     if cfg.train.precision != "fp8" and fp8_possible(s) and s.affords():
         s.measure(best.mode, best.micro_batch, ["train.precision=fp8"])
     d = cfg.distributed
+    if s.world.size > 1 and d.strategy == "fsdp":
+        if d.reshard_after_forward and s.affords():  # every unit kept gathered from its forward into its backward
+            best = fastest(s.measured)
+            smaller = max((b for b in sizes if b < best.micro_batch), default=None)
+            for b in (best.micro_batch, smaller):  # it holds more: where the fastest size does not fit, one smaller
+                if b and s.affords():
+                    run = s.measure(best.mode, b, [*carried(best), "distributed.reshard_after_forward=false"])
+                    if run.status != "out of memory":
+                        break
+        if d.reduce_dtype != "bf16" and s.affords():
+            best = fastest(s.measured)
+            s.measure(best.mode, best.micro_batch, [*carried(best), "distributed.reduce_dtype=bf16"])
     if s.world.size > 1 and d.strategy in ("ddp", "fsdp"):
         key, value = (
             ("distributed.bucket_mb", d.bucket_mb)
@@ -349,10 +363,17 @@ def search(s: Session) -> None:
             else ("distributed.fsdp_unit_mb", d.fsdp_unit_mb)
         )
         best = fastest(s.measured)
-        extra = [o for o in best.overrides if o.startswith("train.precision=")]
         for v in (value / 2, value * 2):
             if value and s.affords():
-                s.measure(best.mode, best.micro_batch, [*extra, f"{key}={v:g}"])
+                s.measure(best.mode, best.micro_batch, [*carried(best), f"{key}={v:g}"])
+
+
+CARRIED = ("train.precision=", "distributed.reshard_after_forward=", "distributed.reduce_dtype=")
+
+
+def carried(p: Point) -> list[str]:
+    """The settings a later candidate keeps from ``p`` (fp8, fsdp's gathering and reduction), beside its own."""
+    return [o for o in p.overrides if o.startswith(CARRIED)]
 
 
 def fp8_possible(s: Session) -> bool:
