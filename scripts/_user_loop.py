@@ -3,7 +3,7 @@
 One definition, so that every comparison with ours runs the same model, data, optimizer and step: the model
 built on the device after ``torch.manual_seed(seed)`` (as the trainer builds it), the embedded corpus, AdamW (lr 6e-4,
 betas 0.9/0.95, weight decay 0.1 on matrices; fused on CUDA), ``clip_grad_norm_(1.0)``, bf16 autocast on CUDA,
-a constant learning rate.
+a constant learning rate (after a linear warm-up, where one is asked for).
 """
 
 from __future__ import annotations
@@ -48,16 +48,22 @@ def user_fsdp(model: nn.Module, bf16: bool) -> nn.Module:
 
 
 def user_step(model: nn.Module, step_model: nn.Module, batches, device: torch.device,
-              like_gpu: bool | None = None) -> Callable[[int], torch.Tensor]:  # fmt: skip
+              like_gpu: bool | None = None, warmup: int = 0) -> Callable[[int], torch.Tensor]:  # fmt: skip
     """``step(i) -> loss``: one optimizer step on batch ``i``. ``model`` owns the parameters (AdamW's groups,
     the clip); ``step_model`` runs the forward (``model`` itself, ``torch.compile(model)`` or a DDP wrapper).
-    ``like_gpu`` (default: on CUDA): fused AdamW and bf16 autocast."""
+    ``like_gpu`` (default: on CUDA): fused AdamW and bf16 autocast. ``warmup``: the learning rate rises linearly
+    over that many steps, ``LR * (i + 1) / (warmup + 1)`` at step ``i``, then stays at ``LR``."""
     from trainer.models import loss_of
     from trainer.optim import param_groups
 
     like_gpu = device.type == "cuda" if like_gpu is None else like_gpu
     opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=like_gpu)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=like_gpu)
+    sched = (
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda i: (i + 1) / (warmup + 1) if i < warmup else 1.0)
+        if warmup
+        else None
+    )
 
     def step(i: int) -> torch.Tensor:
         x, y = batches.train_batch(i, 0)
@@ -66,6 +72,8 @@ def user_step(model: nn.Module, step_model: nn.Module, batches, device: torch.de
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         return loss
 

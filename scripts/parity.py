@@ -8,6 +8,10 @@ The user loop is the benchmarks' (``scripts/_user_loop.py``). Each trainer varia
 of overrides on top of the same settings (``default``: none, the path a run takes as shipped); its per-step
 losses come from its metrics.jsonl. Prints both curves and the largest gap over the steps; exits 1 when a gap
 exceeds ``--tol`` (bf16 runs drift by rounding; a systematic gap is a bug, not rounding).
+
+Both sides train at a constant learning rate, by default without warm-up. Without warm-up AdamW can spike at one
+step, on one side and not the other (docs/troubleshooting.md): a gap at a single step that the next step closes.
+``--warmup N`` gives both sides the same linear warm-up over N steps.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def user_losses(a) -> list[float]:
 
     dev = torch.device(a.device)
     model, batches = user_model_and_data(a.preset, 50304, a.seq, a.batch, dev, seed=a.seed)
-    step = user_step(model, torch.compile(model) if a.user_compile else model, batches, dev)
+    step = user_step(model, torch.compile(model) if a.user_compile else model, batches, dev, warmup=a.warmup)
     return [step(i).item() for i in range(a.steps)]
 
 
@@ -42,7 +46,7 @@ def trainer_losses(a, overrides: list[str]) -> list[float]:
         f"model.preset={a.preset}", f"train.micro_batch_size={a.batch}", f"data.seq_len={a.seq}",
         "data.vocab_size=50304", f"train.steps={a.steps}", "train.eval_every=0", "train.eval_batches=1",
         "checkpoint.enabled=false", "log.progress=false", "log.every=1", f"seed={a.seed}",
-        "schedule.warmup_steps=0", "schedule.decay=constant", f"train.device={a.device}",
+        f"schedule.warmup_steps={a.warmup}", "schedule.decay=constant", f"train.device={a.device}",
         "train.precision=" + ("bf16" if a.device == "cuda" else "fp32"), f"run.dir={run_dir}",
     ]  # fmt: skip
     Trainer(load_config(ROOT / "configs/gpt2-small.yaml", [*common, *overrides])).fit()
@@ -59,6 +63,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps, on both sides")
     p.add_argument("--user-compile", action="store_true", help="torch.compile the user's model")
     p.add_argument("--variants", default="default", help="';'-separated override lists ('default': none)")
     p.add_argument("--tol", type=float, default=0.1, help="largest allowed per-step loss gap")
