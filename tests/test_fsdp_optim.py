@@ -329,6 +329,25 @@ def test_sgd_table_mode_equals_flat_mode(kw, max_norm):
     assert all(q.grad is None for q in table_ps)  # zero_grad sets them to None, as torch's does
 
 
+def test_the_table_reaches_a_wrapper_subclass_values_and_refuses_one_without_storage():
+    """A wrapper subclass reports ``data_ptr() == 0``. With one inner tensor of its shape and dtype (torchao's float8
+    weight, beside its precomputed scale) the table takes that tensor's address; with two (torch's ``TwoTensor``) it
+    cannot tell where the values live and says so, instead of handing the kernel address 0."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from trainer.optim.grad_table import GradTable, local_tensor
+
+    fp8 = pytest.importorskip("torchao.float8.fsdp_utils")
+    inner = torch.randn(4, 8)
+    wrapped = fp8.WeightWithDynamicFloat8CastTensor(inner, None, torch.float8_e4m3fn, torch.tensor(1.0))
+    assert wrapped.data_ptr() == 0 and local_tensor(wrapped) is inner
+    two = TwoTensor(torch.randn(4, 8), torch.randn(4, 8))
+    assert local_tensor(two) is two
+    table = GradTable([two], [0], 2048, in_place=True)
+    with pytest.raises(ValueError, match="TwoTensor has no storage of its own.*optim.impl=fused"):
+        table.load_grads()
+
+
 # The in-place and SGD table kernels compiled for an H100 (sm_90; Triton's bundled ptxas, no GPU): every stream
 # read and written in 16-byte vectors when the host found the addresses aligned.
 _PTX = r"""

@@ -59,12 +59,38 @@ def is_dtensor(t: object) -> bool:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's local tensor of a ``DTensor`` (for FSDP2: a view of its sharded storage), else ``t`` itself.
+    """The tensor whose storage holds ``t``'s values on this rank: a ``DTensor``'s local tensor (for FSDP2: a view of
+    its sharded storage), unwrapped from a wrapper subclass that has no storage of its own, else ``t`` itself.
 
     ``_local_tensor`` rather than ``to_local()``: the same storage without an autograd node per call (per parameter
     per step on the host); FSDP2 itself reads it. tests/test_fsdp_optim.py pins that the optimizer writes there.
+    A wrapper subclass (torchao's float8 weights, ``WeightWithDynamicFloat8CastTensor``, under fsdp) reports
+    ``data_ptr() == 0``; its one inner tensor of the same shape and dtype (beside a precomputed scale) is where its
+    values live, and what an in-place update must write (torch's optimizers reach it through the subclass's
+    dispatch).
     """
-    return t._local_tensor if is_dtensor(t) else t
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    t = t._local_tensor if is_dtensor(t) else t
+    while is_traceable_wrapper_subclass(t) and not is_dtensor(t):
+        names, _ = t.__tensor_flatten__()
+        inner = [x for x in (getattr(t, n) for n in names) if x.shape == t.shape and x.dtype == t.dtype]
+        if len(inner) != 1:  # its values are not one inner tensor (a precomputed scale beside them is no matter)
+            break
+        t = inner[0]
+    return t
+
+
+def _address(t: torch.Tensor, what: str) -> int:
+    """``t``'s data address for a kernel's table; an error for a tensor with no storage of its own (address 0, which
+    the kernels read as "no tensor" for a gradient and would write through for a parameter)."""
+    address = t.data_ptr()
+    if address == 0 and t.numel() > 0:
+        raise ValueError(
+            f"{what} of type {type(t).__name__} has no storage of its own (data_ptr() is 0): the Triton optimizer "
+            "cannot update it in place; set optim.impl=fused"
+        )
+    return address
 
 
 @triton.jit
@@ -279,7 +305,7 @@ class GradTable:
     def _load_params(self) -> None:
         """In place: copy the parameters' addresses to the device when they changed (FSDP2 may re-point a shard)."""
         local = [local_tensor(p) for p in self.params]
-        addresses = tuple(t.data_ptr() for t in local)
+        addresses = tuple(_address(t, f"a {tuple(t.shape)} parameter") for t in local)
         if addresses == self._param_addresses:
             return
         for t, shape in zip(local, self.shapes):
@@ -324,7 +350,7 @@ class GradTable:
                     )
                 if g.shape != shape:
                     raise ValueError(f"gradient shape {tuple(g.shape)} differs from its parameter's {tuple(shape)}")
-            addresses.append(0 if g is None else g.data_ptr())
+            addresses.append(0 if g is None else _address(g, f"the gradient of a {tuple(p.shape)} parameter"))
         self._copy_addresses(addresses, self.grad_ptrs)
         self.aligned = self._numels_aligned and self._params_aligned and all(a % 16 == 0 for a in addresses)
 
