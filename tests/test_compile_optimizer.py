@@ -455,7 +455,7 @@ def test_build_optimizer_impls_on_cpu():
     # one (SGD, FSDP's DTensors, fp16's grad scaler), foreach off CUDA.
     assert resolve_impl("auto", "cuda") == resolve_impl("auto", "cuda", name="adam") == "triton"
     assert resolve_impl("auto", "cuda", name="sgd") == "fused"
-    assert resolve_impl("auto", "cuda", scaled=True) == "fused"
+    assert resolve_impl("auto", "cuda", sharded=True) == resolve_impl("auto", "cuda", scaled=True) == "fused"
     assert resolve_impl("auto", "cpu") == "foreach" and resolve_impl("fused", "cpu") == "fused"
     with pytest.raises(ValueError, match="optim.name"):
         build_optimizer(ps, name="lion")

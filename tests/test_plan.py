@@ -40,8 +40,8 @@ def test_every_shipped_config_plans_without_auto(config, env):
 
 
 def test_what_auto_becomes_on_each_device_and_world():
-    """The rules, one device and world at a time: bf16, compiled and graphed, ours for AdamW on one GPU and under
-    fsdp (parameters gathered in bf16); torch's fused for the sharded optimizer; fp32 and foreach on a CPU."""
+    """The rules, one device and world at a time: bf16, compiled and graphed, ours for AdamW on one GPU; torch's
+    fused under fsdp (parameters gathered in bf16) and for the sharded optimizer; fp32 and foreach on a CPU."""
     cfg = load_config(ROOT / "configs/tiny.yaml")
     cpu = plan.resolve(cfg, _env())
     assert (cpu.precision, cpu.autocast, cpu.optim_impl, cpu.data_dtype) == ("fp32", None, "foreach", "bytes")
@@ -51,7 +51,7 @@ def test_what_auto_becomes_on_each_device_and_world():
     assert gpu.cfg.compile.enabled and gpu.cfg.compile.cudagraphs
     assert "optim.impl=auto: triton (trainer's Triton adamw on CUDA)" in gpu.choices
     fsdp = plan.resolve(load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=fsdp"]), _env("cuda:0", 2))
-    assert fsdp.strategy.fsdp and (fsdp.optim_impl, fsdp.param_dtype) == ("triton", "bf16")
+    assert fsdp.strategy.fsdp and (fsdp.optim_impl, fsdp.param_dtype) == ("fused", "bf16")
     assert not fsdp.cfg.compile.cudagraphs  # the graphed step is not for fsdp
     zero = load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=ddp", "distributed.shard_optimizer=true"])
     zero = plan.resolve(zero, _env("cuda:0", 2))

@@ -299,6 +299,7 @@ def make_optimizer(model: nn.Module, plan: plan_rules.Plan) -> torch.optim.Optim
         momentum=o.momentum,
         max_grad_norm=o.grad_clip,
         device=plan.device,
+        sharded=is_sharded(model),
         scaled=plan.autocast == torch.float16,
         buckets=plan.layout_of(model) if plan.strategy.zero else None,
     )

@@ -195,13 +195,15 @@ def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_
     if strategy.zero:
         impl = o.impl if o.impl != "auto" else "fused" if device.type == "cuda" else "foreach"
         return impl, "the sharded optimizer's update of each shard"
-    impl = resolve_impl(o.impl, device, name=o.name, scaled=precision_ == "fp16")
+    impl = resolve_impl(o.impl, device, name=o.name, sharded=strategy.fsdp, scaled=precision_ == "fp16")
     if device.type != "cuda":
         why = f"torch's foreach on {device.type}"
     elif impl == "triton":
         why = f"trainer's Triton {o.name} on CUDA"
     else:
-        why = "torch's fused " + ("with fp16's scaler" if precision_ == "fp16" else f"for {o.name}")
+        why = "torch's fused " + (
+            "under fsdp" if strategy.fsdp else "with fp16's scaler" if precision_ == "fp16" else f"for {o.name}"
+        )
     return impl, why
 
 

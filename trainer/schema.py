@@ -130,7 +130,7 @@ class OptimConfig:
     """Clip gradients to this global L2 norm (0 disables clipping)."""
     impl: str = _f("auto", choices=["auto", "eager", "foreach", "fused", "compiled", "triton"])
     """Optimizer implementation: auto picks the fastest measured: on CUDA trainer's Triton AdamW/Adam (triton) for
-    adamw/adam (under fsdp too), torch's fused for sgd or fp16; foreach elsewhere."""
+    adamw/adam, torch's fused for sgd, fsdp or fp16; foreach elsewhere."""
 
     def __post_init__(self):
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

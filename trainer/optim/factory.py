@@ -27,14 +27,18 @@ OPTIMIZER_NAMES = ("adamw", "adam", "sgd")
 IMPLS = ("auto", "eager", "foreach", "fused", "compiled", "triton")
 
 
-def resolve_impl(impl: str, device: torch.device | str, *, name: str = "adamw", scaled: bool = False) -> str:
+def resolve_impl(
+    impl: str, device: torch.device | str, *, name: str = "adamw", sharded: bool = False, scaled: bool = False
+) -> str:
     """The implementation ``impl='auto'`` stands for on ``device`` (other values pass through).
 
     CUDA, Adam(W): ``triton`` (gradients read where autograd left them, clipping inside the step),
-    the fastest measured for a whole training step, on one GPU, under ddp and under fsdp (where it updates each
-    rank's shards in place), ahead of torch's ``fused`` (docs/performance.md, "The optimizer step" and "Sharded").
-    Not for ``scaled`` gradients (fp16's grad scaler, not measured with them), nor SGD (whose Triton kernel still
-    reads flat gradient buffers): torch's ``fused`` there. Elsewhere: ``foreach``.
+    the fastest measured for a whole training step, on one GPU and under ddp, ahead of torch's ``fused``
+    (docs/performance.md, "The optimizer step").
+    Not for ``sharded`` parameters (FSDP's DTensors: ``triton`` updates their shards in place, but is not
+    measured against torch's ``fused`` there) or ``scaled`` gradients (fp16's grad scaler, not measured with
+    them), nor SGD (whose Triton kernel still reads flat gradient buffers): torch's ``fused`` there. Elsewhere:
+    ``foreach``.
     """
     if impl not in IMPLS:
         raise ValueError(f"optim.impl: expected one of {', '.join(IMPLS)}, got {impl!r}")
@@ -42,7 +46,7 @@ def resolve_impl(impl: str, device: torch.device | str, *, name: str = "adamw", 
         return impl
     if torch.device(device).type != "cuda":
         return "foreach"
-    return "triton" if name in ("adamw", "adam") and not scaled else "fused"
+    return "triton" if name in ("adamw", "adam") and not sharded and not scaled else "fused"
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -84,6 +88,7 @@ def build_optimizer(
     momentum: float = 0.9,
     max_grad_norm: float = 0.0,
     device: torch.device | str | None = None,
+    sharded: bool = False,
     scaled: bool = False,
     buckets: BucketPlan | None = None,
 ) -> torch.optim.Optimizer:
@@ -104,6 +109,9 @@ def build_optimizer(
         max_grad_norm: Global gradient-norm clip. Only ``triton`` applies it inside the step; for
             the others the caller clips (see ``clips_grad_norm``).
         device: Device the parameters will train on; defaults to the first parameter's.
+        sharded: The parameters are FSDP's DTensors (``auto`` then picks torch's optimizer; ``triton`` updates
+            each rank's shards where FSDP keeps them and all-reduces the clipping norm; ``compiled`` steps the
+            DTensors as they are).
         scaled: An fp16 grad scaler unscales the gradients (``auto`` then picks torch's optimizer).
         buckets: A bucket plan to shard the optimizer state over
             (ddp's ``distributed.shard_optimizer``): a :class:`~trainer.optim.zero.ShardedOptimizer` that moves the
@@ -134,7 +142,7 @@ def build_optimizer(
     if device is None:
         device = groups[0]["params"][0].device if groups[0]["params"] else torch.device("cpu")
     device = torch.device(device)
-    resolved = resolve_impl(impl, device, name=name, scaled=scaled)
+    resolved = resolve_impl(impl, device, name=name, sharded=sharded, scaled=scaled)
     betas = tuple(betas)
 
     if resolved == "triton":
