@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from trainer.ops.utils import capturing
 from trainer.optim.adamw import NUM_WARPS, adamw_coefs, adamw_update_block
@@ -69,8 +70,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     values live, and what an in-place update must write (torch's optimizers reach it through the subclass's
     dispatch).
     """
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     t = t._local_tensor if is_dtensor(t) else t
     while is_traceable_wrapper_subclass(t) and not is_dtensor(t):
         names, _ = t.__tensor_flatten__()
@@ -81,14 +80,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _address(t: torch.Tensor, what: str) -> int:
+def _address(t: torch.Tensor, kind: str) -> int:
     """``t``'s data address for a kernel's table; an error for a tensor with no storage of its own (address 0, which
-    the kernels read as "no tensor" for a gradient and would write through for a parameter)."""
+    the kernels read as "no tensor" for a gradient and would write through for a parameter). ``kind``: parameter or
+    gradient, for the message."""
     address = t.data_ptr()
     if address == 0 and t.numel() > 0:
         raise ValueError(
-            f"{what} of type {type(t).__name__} has no storage of its own (data_ptr() is 0): the Triton optimizer "
-            "cannot update it in place; set optim.impl=fused"
+            f"a {tuple(t.shape)} {kind} of type {type(t).__name__} has no storage of its own (data_ptr() is 0): the "
+            "Triton optimizer cannot update it in place; set optim.impl=fused"
         )
     return address
 
@@ -305,7 +305,7 @@ class GradTable:
     def _load_params(self) -> None:
         """In place: copy the parameters' addresses to the device when they changed (FSDP2 may re-point a shard)."""
         local = [local_tensor(p) for p in self.params]
-        addresses = tuple(_address(t, f"a {tuple(t.shape)} parameter") for t in local)
+        addresses = tuple(_address(t, "parameter") for t in local)
         if addresses == self._param_addresses:
             return
         for t, shape in zip(local, self.shapes):
@@ -350,7 +350,7 @@ class GradTable:
                     )
                 if g.shape != shape:
                     raise ValueError(f"gradient shape {tuple(g.shape)} differs from its parameter's {tuple(shape)}")
-            addresses.append(0 if g is None else _address(g, f"the gradient of a {tuple(p.shape)} parameter"))
+            addresses.append(0 if g is None else _address(g, "gradient"))
         self._copy_addresses(addresses, self.grad_ptrs)
         self.aligned = self._numels_aligned and self._params_aligned and all(a % 16 == 0 for a in addresses)
 
