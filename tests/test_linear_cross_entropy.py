@@ -337,6 +337,36 @@ def test_gpu_gpt2_head_bf16_autocast_accuracy_and_memory():
     assert ours[3] < 0.25 * eager[3] and ours[3] < 1.5 * 2**30
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_weight_gradient_accumulates_in_fp32_inside_cublas(monkeypatch):
+    """Under bf16 autocast with an fp32 weight (its gradient stays fp32), the chunks' ``dlogits.T @ x`` products
+    are added into the fp32 accumulator by cuBLAS (``addmm`` with ``out_dtype``), never rounded to bf16 first:
+    the weight gradient is at least as close to float64's as the path that adds bf16 products, and the whole
+    loss and input gradient are the same."""
+    assert lce._fp32_out_mm(torch.device("cuda")), "this torch has no addmm(out_dtype=) on CUDA"
+    n, v, c = 4097, 1000, 64
+    x, w, t = _inputs(n, v, c, torch.float32)
+    ref = _reference(x, w, t)
+
+    def run():
+        x.grad = w.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = linear_cross_entropy(x, w, t, chunk_size=1024)  # 5 chunks
+        loss.backward()
+        return loss.detach(), x.grad.clone(), w.grad.clone()
+
+    fp32_out = run()
+    monkeypatch.setattr(lce, "_fp32_out_mm", lambda device: False)
+    bf16_products = run()
+    assert fp32_out[2].dtype == torch.float32
+    torch.testing.assert_close(fp32_out[0], bf16_products[0], rtol=0, atol=0)
+    torch.testing.assert_close(fp32_out[1], bf16_products[1], rtol=0, atol=0)
+    err_fp32_out, err_bf16 = _rel_err(fp32_out[2], ref[2]), _rel_err(bf16_products[2], ref[2])
+    print(f"weight gradient error against float64: fp32 accumulation {err_fp32_out:.2e}, bf16 products {err_bf16:.2e}")
+    assert err_fp32_out <= err_bf16 and err_fp32_out <= TOLERANCES[torch.bfloat16][1]
+
+
 # --- save_logit_grads=True: one (N, V) buffer, gradient matmuls in the backward (compile.kernels: cross_entropy)
 
 

@@ -10,7 +10,8 @@ chunk:
 2. ``_linear_cross_entropy_kernel`` computes each row's logsumexp and loss in fp32 and
    overwrites the logits in place with their gradient ``softmax - onehot`` (zero rows for
    ``ignore_index``);
-3. ``grad_x_chunk = dlogits @ W`` and ``grad_W += dlogits.T @ x_chunk`` (fp32 accumulator).
+3. ``grad_x_chunk = dlogits @ W`` and ``grad_W += dlogits.T @ x_chunk`` (fp32 accumulator; on CUDA cuBLAS
+   adds the half-precision product into it in fp32 itself, ``addmm`` with ``out_dtype``).
 
 The gradients are computed in the forward, as Liger-Kernel does, because they need the same
 logits: three matmuls (6 * N * C * V FLOPs) instead of four. They are the gradients of the
@@ -24,8 +25,8 @@ N = 16384, default chunking: 4 chunks of 4096 rows):
 
 - the logits buffer, ``chunk_size * V`` elements of the compute dtype (412 MB);
 - ``x`` chunk cast to the compute dtype (6 MB), the weight cast to it when its dtype differs
-  (77 MB), and the per-chunk ``dlogits.T @ x_chunk`` product when the compute dtype is not fp32
-  (77 MB);
+  (77 MB), and on CPU the per-chunk ``dlogits.T @ x_chunk`` product when the compute dtype is not
+  fp32 (77 MB);
 - the fp32 ``grad_W`` accumulator (154 MB) and ``grad_x`` in x's dtype (50 MB); these two are
   returned and kept for the backward, where the ``.grad`` would have been anyway.
 
@@ -237,6 +238,12 @@ def _balanced_chunk_rows(n_rows: int, chunk_size: int) -> int:
     return max(1, -(-n_rows // n_chunks))
 
 
+def _fp32_out_mm(device: torch.device) -> bool:
+    """Whether ``torch.mm``/``torch.addmm`` take ``out_dtype=torch.float32`` for half-precision operands on
+    ``device``: on CUDA, in the torch versions that have those overloads (CPU has no kernel for them)."""
+    return device.type == "cuda" and "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
 def _check_targets(targets: Tensor, ignore_index: int, n_cols: int) -> None:
     """On the device, no sync: fail when a target is neither in [0, V) nor ignore_index."""
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= n_cols))
@@ -267,7 +274,12 @@ def _linear_cross_entropy_op(
         w = _pad_rows(weight.to(compute_dtype))  # (V', C), V' >= V aligned; no copy when nothing changes
         loss_rows = x.new_empty(n_rows, dtype=torch.float32)
         dx = x.new_empty(x.shape) if grad_x else x.new_empty(0)
-        dw = weight.new_zeros(w.shape, dtype=torch.float32) if grad_weight else weight.new_empty(0)
+        fp32_out = grad_weight and compute_dtype != torch.float32 and _fp32_out_mm(x.device)
+        if grad_weight:
+            # cuBLAS writes (chunk 0) and then adds into the fp32 accumulator itself: new_empty is enough
+            dw = (weight.new_empty if fp32_out and n_rows else weight.new_zeros)(w.shape, dtype=torch.float32)
+        else:
+            dw = weight.new_empty(0)
         rows = _balanced_chunk_rows(n_rows, chunk_size)
         logits_buf = x.new_empty((min(rows, n_rows), w.shape[0]), dtype=compute_dtype)
         for start in range(0, n_rows, rows):
@@ -286,6 +298,11 @@ def _linear_cross_entropy_op(
             if grad_weight:
                 if compute_dtype == torch.float32:
                     dw.addmm_(logits.t(), x_chunk)
+                elif fp32_out:  # bf16/fp16 operands, fp32 accumulation and output: no (V, C) product in between
+                    if start == 0:
+                        torch.mm(logits.t(), x_chunk, out_dtype=torch.float32, out=dw)
+                    else:
+                        torch.addmm(dw, logits.t(), x_chunk, out_dtype=torch.float32, out=dw)
                 else:
                     dw += logits.t() @ x_chunk  # (V, C) product in the compute dtype, summed in fp32
         loss = loss_rows.sum()
