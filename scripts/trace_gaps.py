@@ -2,7 +2,9 @@
 
     python scripts/trace_gaps.py results/ours-ddp_w2.json.gz [more traces ...]
 
-Steps are delimited by the optimizer kernel (the last kernel whose name matches ``--step-kernel``);
+Steps are delimited by the optimizer kernel (the last kernel whose name matches ``--step-kernel``; matches
+closer together than ``--cluster-ms`` are one step's, so raise it for an optimizer whose launches of one step lie
+further apart, e.g. ``--cluster-ms 50`` for a 0.5 s step);
 over the last ``--steps`` steps it prints: step time, time the compute streams are busy, NCCL
 kernel time, NCCL time not overlapped with compute, compute-idle time (nothing running: the host or
 an exposed wait), kernel time per category (matmul, attention, Triton kernels: Inductor's and ours,
@@ -63,14 +65,14 @@ def _intersect(x, y) -> float:
     return total
 
 
-def analyse(path: str, steps: int, step_kernel: str, top_n: int = 20) -> str:
+def analyse(path: str, steps: int, step_kernel: str, top_n: int = 20, cluster_ms: float = 1.0) -> str:
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     kernels.sort(key=lambda e: e["ts"])
     marks = [e["ts"] + e["dur"] for e in kernels if re.search(step_kernel, e["name"], re.I)]
-    # One step may launch several optimizer kernels: keep the last of each cluster (gap > 1 ms).
-    ends = [t for i, t in enumerate(marks) if i + 1 == len(marks) or marks[i + 1] - t > 1000]
+    # One step may launch several optimizer kernels: keep the last of each cluster (gap > cluster_ms).
+    ends = [t for i, t in enumerate(marks) if i + 1 == len(marks) or marks[i + 1] - t > cluster_ms * 1000]
     if len(ends) < steps + 1:
         return f"{path}: only {len(ends)} step boundaries found (kernel /{step_kernel}/)"
     lo, hi = ends[-steps - 1], ends[-1]
@@ -131,9 +133,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--step-kernel", default="adam")
     p.add_argument("--top", type=int, default=20, help="how many of the largest kernels (by name) to list")
+    p.add_argument("--cluster-ms", type=float, default=1.0, help="step-kernel matches closer than this are one step's")
     a = p.parse_args()
     for t in a.traces:
-        print(analyse(t, a.steps, a.step_kernel, a.top))
+        print(analyse(t, a.steps, a.step_kernel, a.top, a.cluster_ms))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,13 @@ def test_trace_gaps_splits_steps_at_the_optimizer_and_sums_each_category(tmp_pat
     assert category("_linear_cross_entropy_kernel") == "triton"
     assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_kernel0_0") == "attention"
 
+    # An optimizer whose launches of one step lie 3 ms apart (its first kernel moved into the step's idle gap):
+    # two ends per step at the default 1 ms, the true steps with cluster_ms above the gap.
+    split = [dict(e, name="_adamw_in_place_kernel", ts=e["ts"] - 3000) for e in events if "Adam" in e["name"]]
+    path.write_text(json.dumps({"traceEvents": events + split}))
+    assert "step 5.00 ms" in analyse(str(path), steps=2, step_kernel="adam")  # ends 3 and 7 ms apart
+    assert "step 10.00 ms" in analyse(str(path), steps=3, step_kernel="adam", cluster_ms=4)
+
     # With host events: the Triton kernel (after the 2 ms idle gap) was launched 1.5 ms into the gap, so
     # 1.5 ms of the idle time is the host's and 0.5 ms a device-side wait.
     for e in events:
