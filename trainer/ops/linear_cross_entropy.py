@@ -274,12 +274,14 @@ def _linear_cross_entropy_op(
         w = _pad_rows(weight.to(compute_dtype))  # (V', C), V' >= V aligned; no copy when nothing changes
         loss_rows = x.new_empty(n_rows, dtype=torch.float32)
         dx = x.new_empty(x.shape) if grad_x else x.new_empty(0)
-        fp32_out = grad_weight and compute_dtype != torch.float32 and _fp32_out_mm(x.device)
-        if grad_weight:
-            # cuBLAS writes (chunk 0) and then adds into the fp32 accumulator itself: new_empty is enough
-            dw = (weight.new_empty if fp32_out and n_rows else weight.new_zeros)(w.shape, dtype=torch.float32)
-        else:
+        # The matmul itself writes (chunk 0) and then adds into the fp32 accumulator: in fp32, or from bf16/fp16
+        # operands through out_dtype (no (V, C) product in between). Otherwise a product in the compute dtype is added.
+        fp32_out = {"out_dtype": torch.float32} if compute_dtype != torch.float32 else {}
+        in_matmul = compute_dtype == torch.float32 or _fp32_out_mm(x.device)
+        if not grad_weight:
             dw = weight.new_empty(0)
+        else:
+            dw = (weight.new_empty if in_matmul and n_rows else weight.new_zeros)(w.shape, dtype=torch.float32)
         rows = _balanced_chunk_rows(n_rows, chunk_size)
         logits_buf = x.new_empty((min(rows, n_rows), w.shape[0]), dtype=compute_dtype)
         for start in range(0, n_rows, rows):
@@ -295,16 +297,12 @@ def _linear_cross_entropy_op(
                     torch.mm(logits, w, out=dx[start:end])
                 else:
                     dx[start:end] = logits @ w
-            if grad_weight:
-                if compute_dtype == torch.float32:
-                    dw.addmm_(logits.t(), x_chunk)
-                elif fp32_out:  # bf16/fp16 operands, fp32 accumulation and output: no (V, C) product in between
-                    if start == 0:
-                        torch.mm(logits.t(), x_chunk, out_dtype=torch.float32, out=dw)
-                    else:
-                        torch.addmm(dw, logits.t(), x_chunk, out_dtype=torch.float32, out=dw)
-                else:
-                    dw += logits.t() @ x_chunk  # (V, C) product in the compute dtype, summed in fp32
+            if grad_weight and not in_matmul:
+                dw += logits.t() @ x_chunk  # (V, C) product in the compute dtype, summed in fp32
+            elif grad_weight and start == 0:
+                torch.mm(logits.t(), x_chunk, out=dw, **fp32_out)
+            elif grad_weight:
+                torch.addmm(dw, logits.t(), x_chunk, out=dw, **fp32_out)
         loss = loss_rows.sum()
         if reduction == "mean":
             loss = loss / (targets != ignore_index).sum()  # 0 / 0 = nan when all are ignored, as F.cross_entropy
