@@ -8,7 +8,8 @@ further apart, e.g. ``--cluster-ms 50`` for a 0.5 s step);
 over the last ``--steps`` steps it prints: step time, time the compute streams are busy, NCCL
 kernel time, NCCL time not overlapped with compute, compute-idle time (nothing running: the host or
 an exposed wait), kernel time per category (matmul, attention, Triton kernels: Inductor's and ours,
-optimizer with clipping, NCCL, other) and the largest kernels. Works as well for one GPU
+optimizer with clipping, copies and casts outside compiled code (FSDP's copies in and out among them), NCCL,
+other) and the largest kernels. Works as well for one GPU
 (``BENCH_TRACE=dir python scripts/bench_step.py``).
 
 With host events in the trace (``BENCH_TRACE_CPU=1``) it also splits the compute-idle time: a gap
@@ -26,7 +27,10 @@ from collections import defaultdict
 
 CATEGORIES = [  # first match wins
     ("nccl", r"nccl"),
-    ("optimizer", r"adam|multi_tensor|foreach|sgd"),  # with clipping's norm kernels (multi_tensor LpNorm)
+    # Copies and casts that are not Inductor's: FSDP's all-gather copy-in (a foreach copy, multi_tensor CopyFunctor),
+    # copy-out (split_with_sizes), reduce-scatter copy-in (chunk_cat), dtype casts (direct_copy), torch.cat.
+    ("copies", r"^(?!triton_).*(copy|chunk_cat|split_with_sizes)"),
+    ("optimizer", r"adam|multi_tensor|foreach|sgd|sumsq"),  # with clipping's norm kernels (multi_tensor LpNorm)
     ("triton", r"^triton_|^_\w*_kernel$"),  # Inductor's (whatever they fused) and ours (_name_kernel)
     ("attention", r"flash|fmha|cudnn|attention|sdpa"),
     ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|wgmma|splitk"),
@@ -36,6 +40,13 @@ CATEGORIES = [  # first match wins
 
 def category(name: str) -> str:
     return next(c for c, rx in CATEGORIES if re.search(rx, name, re.I))
+
+
+def label(name: str) -> str:
+    """A kernel's name for the list of the largest: its first 90 characters, and for torch's foreach kernels
+    (``multi_tensor_apply_kernel<..., Functor<...>, ...>``, whose first 90 characters are alike) their functor."""
+    functor = re.search(r"\w+Functor<[^<>]*>", name) if "multi_tensor_apply" in name else None
+    return f"multi_tensor_apply_kernel {functor.group(0)}"[:90] if functor else name[:90]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -83,7 +94,7 @@ def analyse(path: str, steps: int, step_kernel: str, top_n: int = 20, cluster_ms
     total = hi - lo
     by_name: dict[str, float] = defaultdict(float)
     for e in window:
-        by_name[e["name"][:90]] += e["dur"]
+        by_name[label(e["name"])] += e["dur"]
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:top_n]
     per = 1e3 * steps  # us -> ms per step
     lines = [

@@ -63,7 +63,7 @@ def test_trace_gaps_splits_steps_at_the_optimizer_and_sums_each_category(tmp_pat
     kernel overlapping a 3 ms NCCL all-reduce by 1 ms, a 1 ms Triton kernel and a 1 ms AdamW kernel."""
     import json
 
-    from scripts.trace_gaps import analyse, category
+    from scripts.trace_gaps import analyse, category, label
 
     events = []
     for s in range(4):
@@ -86,6 +86,18 @@ def test_trace_gaps_splits_steps_at_the_optimizer_and_sums_each_category(tmp_pat
     assert category("triton_poi_fused__scaled_dot_product_flash_attention_3") == "triton"  # Inductor's, not SDPA
     assert category("_linear_cross_entropy_kernel") == "triton"
     assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_kernel0_0") == "attention"
+    # torch's foreach kernels: the optimizer's and clipping's, and FSDP's copy-in, told apart by their functor.
+    mta = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<2>, at::native::"
+    fsdp_copy_in = mta + "(anonymous namespace)::CopyFunctor<c10::BFloat16, float, 2>>"
+    assert category(fsdp_copy_in) == "copies"
+    assert category(mta + "(anonymous namespace)::FusedAdamMathFunctor<float, 4>>") == "optimizer"
+    assert category(mta + "(anonymous namespace)::LpNormFunctor<float, 2>>") == "optimizer"
+    assert label(fsdp_copy_in) == "multi_tensor_apply_kernel CopyFunctor<c10::BFloat16, float, 2>"
+    assert category("at::native::detail::split_with_sizes_copy_out_contiguous_no_cast_kernel(char**)") == "copies"
+    assert category("void at::native::detail::chunk_cat_cuda_kernel<char, char>(char**, char*)") == "copies"
+    assert category("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>") == "copies"
+    assert category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "triton"  # Inductor's, with a cast
+    assert category("_sumsq_blocks_kernel") == "optimizer"  # the Triton optimizer's clipping norm
 
     # An optimizer whose launches of one step lie 3 ms apart (its first kernel moved into the step's idle gap):
     # two ends per step at the default 1 ms, the true steps with cluster_ms above the gap.
