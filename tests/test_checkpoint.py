@@ -1,18 +1,21 @@
 """The Checkpointer of Stateful parts in one process: a checkpoint kept in tests/data loads, the states round-trip,
-and the layout on disk is the documented one. Runs through `trainer fit` (resume, faults, fsdp, sharded
+the layout on disk is the documented one, a damaged checkpoint is found by its manifest and never outlives an
+intact one in pruning. Runs through `trainer fit` (resume, faults, fsdp, sharded
 optimizer) are in test_fit.py, test_faults.py, test_distributed.py, test_fsdp_optim.py and test_shard_optimizer.py.
 """
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from trainer import build, plan
-from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, CheckpointError
+from trainer import build, integrity, plan
+from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, CheckpointError, _load_failure
 from trainer.config import load_config, to_dict
 from trainer.data import load_corpus
 from trainer.distributed.env import DistEnv
@@ -20,8 +23,8 @@ from trainer.models import loss_of
 from trainer.state import RNGState, TrainState, run_states
 
 # tests/data/tiny_checkpoint: the step-3 checkpoint of `trainer fit configs/tiny.yaml` with these overrides, on the
-# CPU in one process (commit de538f1). Kept as files: a change to the format that stops existing checkpoints from
-# loading fails here.
+# CPU in one process (commit de538f1), a checkpoint without a manifest. Kept as files: a change to the format
+# that stops existing checkpoints from loading fails here.
 FIXTURE = Path(__file__).parent / "data" / "tiny_checkpoint"
 FIXTURE_ARGS = ["model.n_layer=1", "model.n_head=1", "model.n_embd=4", "data.seq_len=8", "train.micro_batch_size=2",
                 "train.steps=3", "checkpoint.every=3", "train.eval_every=0", "schedule.warmup_steps=2",
@@ -33,13 +36,14 @@ def _parts(run_dir: Path, *overrides: str):
     """The states and config of a run of FIXTURE_ARGS in ``run_dir``, built as trainer.loop builds them (fresh)."""
     resolved = plan.resolve(load_config("configs/tiny.yaml", [*FIXTURE_ARGS, *overrides, f"run.dir={run_dir}"]), ENV)
     cfg = resolved.cfg
-    build.set_up_process(cfg)
+    build.set_up_process(cfg, ENV.device)
     corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                          dtype=cfg.data.dtype)  # fmt: skip
     model = build.make_model(resolved, corpus.vocab_size, ENV)
     opt = build.make_optimizer(model, resolved.placed(model))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
-    states = run_states(model, opt, sched, None, build.batches(cfg, corpus, ENV), lr=cfg.optim.lr, device=ENV.device)
+    batches = build.batches(resolved, corpus, ENV)
+    states = run_states(model, opt, sched, None, batches, lr=cfg.optim.lr, device=ENV.device)
     return states, cfg, model, opt, sched
 
 
@@ -72,6 +76,7 @@ def test_a_checkpoint_of_the_kept_format_loads(tmp_path, capsys):
     saved_model = torch.load(FIXTURE / "model.pt", weights_only=True)
     saved_optim = torch.load(FIXTURE / "optim.pt", weights_only=True)
     assert not all(torch.equal(p, saved_model[n]) for n, p in model.state_dict().items())  # fresh: not yet loaded
+    assert not (FIXTURE / "manifest.json").exists()  # checked as a checkpoint without one is (trainer.integrity)
 
     assert _checkpointer(states, cfg).restore(str(FIXTURE)) == 3
     assert f"resumed from {FIXTURE} at step 3" in capsys.readouterr().out
@@ -95,7 +100,11 @@ def test_states_round_trip(tmp_path, capsys):
     ckpts = _checkpointer(states, cfg)
     path = ckpts.save(1)
     assert path == tmp_path / "a" / "checkpoints" / "step_000001" and ckpts.last == path
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model.pt", "optim.pt", "rng_rank0.pt"]
+    files = ["meta.json", "model.pt", "optim.pt", "rng_rank0.pt"]
+    assert sorted(p.name for p in path.iterdir()) == sorted([*files, "manifest.json"])
+    manifest = json.loads((path / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == files and all(manifest[f]["size"] == (path / f).stat().st_size for f in files)
+    assert all("crc32" in entry for entry in manifest.values())  # every file of a tiny model is small: checksummed
     assert (path.parent / "last").read_text() == "step_000001\n"
     meta = json.loads((path / "meta.json").read_text())
     assert (meta["step"], meta["tokens_seen"], meta["world_size"]) == (1, 16, 1)
@@ -126,3 +135,80 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_loads(tmp_path
         _checkpointer(states, cfg).restore(str(FIXTURE))
     _assert_same(model.state_dict(), before, "model")
     assert states["train"].step == 0
+
+
+def _cut(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def test_a_damaged_checkpoint_is_found_by_its_manifest_or_its_files(tmp_path):
+    """integrity.damage: a truncated file (its size against the manifest's), a lost one, a changed byte in a small
+    file (its checksum; sizes alone, as pruning checks, miss it), a manifest that cannot be read; without a manifest
+    (as FIXTURE), a missing meta.json or a torch.save file cut short (no zip directory at its end)."""
+    states, cfg, *_ = _parts(tmp_path / "run")
+    saved = _checkpointer(states, cfg).save(1)
+    copies = iter(range(100))
+
+    def copy(source=saved, manifest=True) -> Path:
+        path = tmp_path / f"copy-{next(copies)}"
+        shutil.copytree(source, path)
+        if not manifest:
+            (path / "manifest.json").unlink(missing_ok=True)
+        return path
+
+    assert integrity.damage(saved) is None
+    size = (saved / "model.pt").stat().st_size
+    _cut((cut := copy()) / "model.pt")
+    assert integrity.damage(cut) == f"model.pt is {size // 2:,} bytes, its manifest says {size:,}"
+    ((lost := copy()) / "rng_rank0.pt").unlink()
+    assert integrity.damage(lost) == "rng_rank0.pt is missing"
+    meta = (changed := copy()) / "meta.json"
+    meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 2'))  # the same size, valid JSON
+    assert meta.read_text() != (saved / "meta.json").read_text()
+    assert integrity.damage(changed, checksums=False) is None
+    assert integrity.damage(changed) == "meta.json does not match its manifest's checksum"
+    ((unreadable := copy()) / "manifest.json").write_text("{")
+    assert integrity.damage(unreadable) == "its manifest.json cannot be read"
+
+    assert integrity.damage(FIXTURE) is None  # no manifest: its files are there and whole
+    _cut((old := copy(FIXTURE)) / "optim.pt")
+    assert integrity.damage(old) == "optim.pt is cut short (its zip directory is missing)"
+    ((old := copy(manifest=False)) / "meta.json").unlink()
+    assert integrity.damage(old) == "meta.json is missing"
+
+
+def test_pruning_keeps_intact_checkpoints_over_damaged_ones(tmp_path):
+    """checkpoint.keep=2, the newest of steps 2 and 3 damaged, then step 4 saved: the two newest intact ones (2 and
+    4) are kept and the damaged one is left for a resume to move aside; one moved aside is not looked at."""
+    states, cfg, *_ = _parts(tmp_path, "checkpoint.keep=2")
+    ckpts = _checkpointer(states, cfg)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        ckpts.save(step)
+    aside = root / "step_000001.damaged-1"  # as a resume leaves one: an intact-looking copy, never pruned
+    shutil.copytree(root / "step_000002", aside)
+    _cut(root / "step_000003" / "model.pt")
+    ckpts.save(4)
+    assert sorted(p.name for p in root.iterdir()) == ["last", aside.name, "step_000002", "step_000003", "step_000004"]
+    ckpts.save(5)
+    assert sorted(p.name for p in root.iterdir()) == ["last", aside.name, "step_000003", "step_000004", "step_000005"]
+
+
+def test_a_load_failure_is_said_in_whole_words():
+    """torch.load's reason: its first line whole (miniz's is 330 characters), a longer one cut at a word with an
+    ellipsis; weights_only's refusals as what they mean."""
+    miniz = ("PytorchStreamReader failed reading zip archive: failed finding central directory. This is an internal "
+             "miniz error. If you are seeing this error, there is a high likelihood that your checkpoint file is "
+             "corrupted. This can happen if the checkpoint was not saved properly, was transferred incorrectly, or "
+             "the file was modified after saving.")  # fmt: skip
+    assert _load_failure(RuntimeError(miniz + "\nmore")) == miniz
+    long = _load_failure(RuntimeError("word " * 200))
+    assert long.endswith("word ...") and len(long) <= 404
+    assert _load_failure(RuntimeError("x" * 500)) == "x" * 400 + " ..."  # no word to cut at
+    preamble = "Weights only load failed. In PyTorch 2.6, we changed the default value of `weights_only`."
+    corrupt = (
+        f"{preamble}\nPlease file an issue: WeightsUnpickler error: \n\nUnsupported operand 255\n\nCheck the docs."
+    )
+    assert _load_failure(RuntimeError(corrupt)) == "its pickled data is corrupt (Unsupported operand 255)"
+    code = f"{preamble}\n\n\nTrying to load unsupported GLOBAL posix.system whose module posix is blocked.\n"
+    assert "would run code" in _load_failure(RuntimeError(code))

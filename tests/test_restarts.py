@@ -1,9 +1,12 @@
 """Runs that outlive their faults: ``resume=auto``, torchrun's restarts (``--max-restarts``) and a job stopped by
 SIGTERM then started again with the same command, on 2 gloo ranks against an uninterrupted run; what resume=auto
-decides in a run directory; the startup line and ``starts.jsonl`` that say it."""
+decides in a run directory, a damaged checkpoint passed over included; the startup line and ``starts.jsonl`` that
+say it."""
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import FAST, GPU_CACHE, cli, shared_run, torchrun
+from tests.conftest import FAST, GPU_CACHE, ROOT, cli, shared_run, torchrun
 from trainer import rundir
 from trainer.checkpoint import fault_point
 from trainer.distributed.env import DistEnv, restart_warning
@@ -135,6 +138,30 @@ def test_a_stopped_job_started_again_with_the_same_command_ends_as_an_uninterrup
     assert [(s["step"], s["restart"]) for s in _starts(tmp_path)] == [(0, 0), (stopped, 0)]
 
 
+def test_a_checkpoint_damaged_before_a_rank_is_lost_is_passed_over_on_the_restart(tmp_path):
+    """``torchrun --max-restarts 1``, 12 steps, a checkpoint every 4: the step-8 checkpoint is cut short once
+    published (its largest file to half its size, as a disk or a copy damages one), then rank 0 is SIGKILLed at step
+    10. On the restart rank 0 finds it damaged, says so, moves it aside and points ``last`` at step 4; every rank
+    resumes there and the job finishes, each step logged once. (Shorter than the runs above, which compare with the
+    uninterrupted run: the in-process fallback test does, bit for bit.)"""
+    r = _job(tmp_path, "train.steps=12", "checkpoint.every=4", fault="damage_checkpoint:8#0,kill:10@0#0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = tmp_path / "checkpoints"
+    damaged, intact, aside = (str(root / name) for name in ("step_000008", "step_000004", "step_000008.damaged-1"))
+    said = re.findall(rf"warning: checkpoint {damaged} is damaged \((\S+) is ([\d,]+) bytes, its manifest says "
+                      rf"([\d,]+)\): resuming from {intact}, the newest intact one; the damaged one moved aside to "
+                      rf"{aside}\n", r.stderr)  # fmt: skip
+    assert len(said) == 1, r.stderr[-3000:]
+    name, size, manifest = said[0][0], int(said[0][1].replace(",", "")), int(said[0][2].replace(",", ""))
+    assert size == manifest // 2 == (root / "step_000008.damaged-1" / name).stat().st_size
+    resumed = f"resume=auto: resumed from {intact} at step 4 (torchrun restart 1 of at most 1)"
+    assert resumed in r.stdout.splitlines(), r.stdout
+    assert [row["step"] for row in _rows(tmp_path)] == list(range(1, 13))
+    assert [(s["restart"], s["step"]) for s in _starts(tmp_path)] == [(0, 0), (1, 4)]
+    names = ["last", "step_000004", "step_000008", "step_000008.damaged-1", "step_000012"]
+    assert sorted(p.name for p in root.iterdir()) == names
+
+
 ONE = [*SHAPE, "train.eval_every=0", "checkpoint.every=5", "resume=auto"]
 
 
@@ -158,6 +185,68 @@ def test_resume_auto_starts_fresh_in_an_empty_directory_and_resumes_from_a_check
     got = [(s["step"], s["resume"], s["restart"], s["world_size"]) for s in starts]
     assert got == [(0, "auto", None, 1), (7, "auto", None, 1)]
     assert all(row["host_rss_gb"] > 0.05 for row in _rows(tmp_path))  # the process's resident memory, in GB
+
+
+def _cut(path) -> tuple[int, int]:
+    """Truncate ``path`` to half its size, as a write or a copy cut short leaves it; returns (new, old) size."""
+    size = path.stat().st_size
+    os.truncate(path, size // 2)
+    return size // 2, size
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, capsys):
+    """The newest checkpoint's model.pt cut to half its size after it was saved: resume=last, and later resume=auto
+    (the step-20 one cut), resume from the newest intact one before it, say so in one line, move the damaged one
+    aside (nothing deleted) and point ``last`` at the intact one. The run ends as the uninterrupted run: steps 1..25
+    logged once each, every loss equal bit for bit (the restored state and the batches from (seed, step) continue
+    exactly; observed: equal floats, no tolerance)."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    common = ["train.steps=25", "log.every=1"]
+    assert _fit(capsys, straight, *common).returncode == 0
+    assert _fit(capsys, run, *common, "train.stop_at=15").returncode == 0  # checkpoints 5, 10, 15
+    root = run / "checkpoints"
+    for step, asked, stop in ((15, "last", ["train.stop_at=20"]), (20, "auto", [])):
+        damaged, intact = root / f"step_{step:06d}", root / f"step_{step - 5:06d}"
+        size, manifest = _cut(damaged / "model.pt")
+        r = _fit(capsys, run, *common, *stop, f"resume={asked}")
+        assert r.returncode == 0, r.stderr
+        warned = [line for line in r.stderr.splitlines() if "damaged" in line]
+        assert warned == [
+            f"warning: checkpoint {damaged} is damaged (model.pt is {size:,} bytes, its manifest says {manifest:,}): "
+            f"resuming from {intact}, the newest intact one; the damaged one moved aside to {damaged}.damaged-1"
+        ], r.stderr
+        assert f"resumed from {intact} at step {step - 5}" in r.stdout, r.stdout
+        assert (root / f"{damaged.name}.damaged-1" / "model.pt").stat().st_size == size
+    rows, want = _rows(run), {row["step"]: row["loss"] for row in _rows(straight)}
+    assert [row["step"] for row in rows] == list(range(1, 26))
+    assert {row["step"]: row["loss"] for row in rows} == want
+    assert [s["checkpoint"] for s in _starts(run)] == [None, str(root / "step_000010"), str(root / "step_000015")]
+    names = ["last", "step_000015", "step_000015.damaged-1", "step_000020", "step_000020.damaged-1", "step_000025"]
+    assert sorted(p.name for p in root.iterdir()) == names  # checkpoint.keep=3 intact ones, the damaged ones kept
+    assert (root / "last").read_text() == "step_000025\n"
+
+
+def test_no_intact_checkpoint_or_a_damaged_one_asked_for_exits_2(tmp_path, capsys):
+    """A damaged checkpoint named by resume=PATH exits 2 with why, naming the intact one beside it (no fallback: it
+    was asked for); with every checkpoint damaged, resume=auto exits 2 listing each and why, and moves nothing."""
+    assert _fit(capsys, tmp_path, "train.steps=10").returncode == 0  # checkpoints 5 and 10
+    root = tmp_path / "checkpoints"
+    size, manifest = _cut(root / "step_000010" / "optim.pt")
+    cut = f"optim.pt is {size:,} bytes, its manifest says {manifest:,}"
+    r = _fit(capsys, tmp_path, "train.steps=15", f"resume={root / 'step_000010'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert (
+        f"resume={root / 'step_000010'}: checkpoint {root / 'step_000010'} is damaged ({cut}); the newest intact one "
+        f"beside it is {root / 'step_000005'}\n" in r.stderr
+    ), r.stderr
+    (root / "step_000005" / "rng_rank0.pt").unlink()
+    r = _fit(capsys, tmp_path, "train.steps=15")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert (
+        f"resume=auto: no intact checkpoint in {root}: step_000010 ({cut}); step_000005 (rng_rank0.pt is missing). "
+        "Nothing was moved or deleted." in r.stderr
+    ), r.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["last", "step_000005", "step_000010"]
 
 
 def test_resume_auto_starts_again_over_a_start_that_saved_no_checkpoint(tmp_path, capsys):
@@ -201,16 +290,26 @@ def test_claim_decides_resume_auto_from_the_last_pointer(tmp_path, monkeypatch):
     assert _claim(tmp_path / "new") == rundir.Start(None, "auto")
     ckpts = tmp_path / "run" / "checkpoints"
     (ckpts / "step_000020").mkdir(parents=True)
-    (ckpts / "step_000010").mkdir()
+    shutil.copytree(ROOT / "tests" / "data" / "tiny_checkpoint", ckpts / "step_000010")
     (ckpts / "last").write_text("step_000010\n")  # the newest complete one: step 20 was never published
     assert _claim(tmp_path / "run") == rundir.Start(str(ckpts / "step_000010"), "auto")
-    assert _claim(tmp_path / "run", resume="last") == rundir.Start("last", "last")  # restore resolves it
+    assert _claim(tmp_path / "run", resume="last") == rundir.Start(str(ckpts / "step_000010"), "last")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     start = _claim(tmp_path / "run")
     assert (start.restart, start.max_restarts) == (2, 3)
     assert start.headline().format(path="P", step=10) == "resume=auto: resumed from P at step 10 (torchrun restart 2 " \
         "of at most 3)"  # fmt: skip
+
+
+def test_the_resume_line_names_what_was_asked():
+    """resume=last and resume=auto name themselves; a path asked for is the path resumed from, said once."""
+    lines = {asked: rundir.Start(asked, asked).headline().format(path="P", step=10) for asked in ("last", "auto", "P")}
+    assert lines == {
+        "last": "resume=last: resumed from P at step 10",
+        "auto": "resume=auto: resumed from P at step 10",
+        "P": "resumed from P at step 10",
+    }
 
 
 def test_resume_auto_keeps_the_lock(tmp_path):

@@ -12,15 +12,21 @@ are small and go to the same files either way. Layout of ``<run.dir>/checkpoints
       optim.pt              {"optimizer" (TORCH_SAVE), "scheduler", "scaler" (fp16)}: tensors and plain containers
       rng_rank<R>.pt        "rng": each rank's RNG states (Python, NumPy, torch CPU, CUDA)
       meta.json             "train" (step, tokens seen) at its top level, "sampler", the world size, the config
+      manifest.json         every file above with its size (and a checksum of the small ones): trainer.integrity
+    step_000030.damaged-1/  a damaged checkpoint a resume moved aside (trainer.integrity), kept, never pruned
     last                    a text file naming the newest complete checkpoint
     compile_cache.bin       beside the checkpoints (one for all of them), when compiling
 
-A checkpoint is written into a temporary directory, each file fsynced, then renamed into
-place; ``last`` moves (write + fsync + rename) only after that, and old checkpoints are
-pruned only after ``last`` moved. A crash at any moment leaves ``last`` naming a complete
-checkpoint; a write that fails (a full disk) on any rank stops every rank with one error naming
-the file, the partial checkpoint removed and ``last`` unchanged. Files load with
+A checkpoint is written into a temporary directory, each file fsynced, its manifest written, then renamed into
+place; ``last`` moves (write + fsync + rename) only after that, and old checkpoints are pruned only after ``last``
+moved (the newest ``checkpoint.keep`` intact ones are kept; a damaged one is neither counted nor deleted). A crash
+at any moment leaves ``last`` naming a complete checkpoint; a write that fails (a full disk) on any rank stops every
+rank with one error naming the file, the partial checkpoint removed and ``last`` unchanged. Files load with
 ``torch.load(weights_only=True)``: a pickled object that would run code is refused.
+
+A checkpoint damaged on disk after it was published (a truncated file, a lost one) is found by its manifest when a
+run resumes: ``resume=last`` and ``resume=auto`` fall back to the newest intact one (rank 0 decides, in
+:func:`trainer.rundir.claim`), a checkpoint named explicitly is refused (:mod:`trainer.integrity`).
 """
 
 from __future__ import annotations
@@ -38,16 +44,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainer import console, rundir
+from trainer import console, integrity, rundir
 from trainer.distributed.env import DistEnv, every_rank
+from trainer.integrity import LAST, META, CheckpointError, resolve
 from trainer.io import atomic_write, atomic_write_text
 from trainer.step import TrainingError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
-META = "meta.json"
-LAST = "last"
 DCP_DIR = "dcp"
 # The states DCP storage keeps in dcp/, and their keys there.
 DCP_KEYS = {"model": "model", "optimizer": "optim"}
@@ -73,10 +78,6 @@ SHAPE_KEYS = [
 ]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, truncated, corrupt, unsafe or incompatible (exit 2)."""
-
-
 class CheckpointWriteError(TrainingError):
     """A checkpoint could not be written (a full disk, a lost permission): the run stops, ``last`` unchanged."""
 
@@ -87,25 +88,20 @@ _KILL_POINTS = ("checkpoint_write", "after_checkpoint", "kill")
 def fault_point(point: str, step: int, rank: int = 0) -> bool:
     """Fault injection for tests: ``TRAINER_FAULT=<point>:<step>[@<rank>][#<restart>]`` fires at ``point`` of step
     ``step`` (on every rank without ``@<rank>``; with ``#<restart>``, only in that start of a torchrun job,
-    ``TORCHELASTIC_RESTART_COUNT``, 0 for the first: a fault that torchrun's restart does not meet again).
+    ``TORCHELASTIC_RESTART_COUNT``, 0 for the first: a fault that torchrun's restart does not meet again). Several
+    faults are separated by commas: ``damage_checkpoint:20#0,kill:25@0#0``.
 
     Points: ``checkpoint_write`` (between two files of a checkpoint), ``after_checkpoint`` and ``kill`` (a step
     launched) SIGKILL this process; ``sigterm`` (a step launched) sends SIGTERM to torchrun's launcher, which passes
     it to every rank, as a scheduler stopping the job does (outside torchrun, to this process); ``raise`` (a step
     launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks), ``wrong_sum`` (every
     rank's losses, as this rank received them), ``replica_drift`` (this rank's parameters, before the ddp replicas are
-    compared) and ``disk_full`` (this rank's last checkpoint file fails with ENOSPC) return True for the caller to act
-    on. Returns False everywhere else.
+    compared), ``disk_full`` (this rank's last checkpoint file fails with ENOSPC) and ``damage_checkpoint`` (the
+    main rank, once the checkpoint is published: its largest file is cut to half its size, as a disk or a copy
+    damages one) return True for the caller to act on. Returns False everywhere else.
     """
-    spec = os.environ.get("TRAINER_FAULT")
-    if not spec:
-        return False
-    name, _, where = spec.partition(":")
-    where, _, at_restart = where.partition("#")
-    at_step, _, at_rank = where.partition("@")
-    if name != point or at_step != str(step) or (at_rank and at_rank != str(rank)):
-        return False
-    if at_restart and at_restart != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
+    spec = next((s for s in os.environ.get("TRAINER_FAULT", "").split(",") if _fires(s, point, step, rank)), None)
+    if spec is None:
         return False
     if point in _KILL_POINTS:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -115,6 +111,16 @@ def fault_point(point: str, step: int, rank: int = 0) -> bool:
     if point == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (TRAINER_FAULT={spec})")
     return True
+
+
+def _fires(spec: str, point: str, step: int, rank: int) -> bool:
+    """Whether the fault ``spec`` (one of ``TRAINER_FAULT``'s) is ``point`` of ``step`` on ``rank``, in this start."""
+    name, _, where = spec.strip().partition(":")
+    where, _, at_restart = where.partition("#")
+    at_step, _, at_rank = where.partition("@")
+    if name != point or at_step != str(step) or (at_rank and at_rank != str(rank)):
+        return False
+    return not at_restart or at_restart == os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,8 @@ def save(root: Path, step: int, write: Callable[[Path], None], env: DistEnv, kee
 
     Every rank calls this. The main rank makes the temporary directory; then every rank calls ``write(directory)``
     to write its files there; the ranks agree on whether every write succeeded (a collective), so that a write
-    failing on one rank stops all; the main rank renames the directory into place, moves ``last`` and prunes.
+    failing on one rank stops all; the main rank writes the manifest of every rank's files, renames the directory
+    into place, moves ``last`` and prunes.
 
     Raises:
         CheckpointWriteError: on every rank, when a rank could not write (a full disk): it names the file, the
@@ -189,6 +196,8 @@ def save(root: Path, step: int, write: Callable[[Path], None], env: DistEnv, kee
     _stop_if_failed(every_rank(published, env), step, root, None)
     if env.is_main:
         _prune(root, keep)
+        if fault_point("damage_checkpoint", step, env.rank):
+            _cut_largest_file(final)
     _barrier(env)
     fault_point("after_checkpoint", step)
     return final
@@ -201,8 +210,10 @@ def _make_empty(directory: Path) -> None:
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    """Rename the complete checkpoint ``tmp`` to ``final`` and point ``last`` at it, each step durable."""
+    """Write the manifest of the complete checkpoint ``tmp`` (every rank's files), rename it to ``final`` and point
+    ``last`` at it, each step durable."""
     root = final.parent
+    integrity.write_manifest(tmp)
     _fsync_dir(tmp)
     if final.exists():  # a re-save of the same step (e.g. a signal right after a periodic save)
         shutil.rmtree(final)
@@ -248,34 +259,22 @@ def _stop_if_failed(failures: list, step: int, root: Path, partial: Path | None)
     )
 
 
+def _cut_largest_file(checkpoint: Path) -> None:
+    """Fault injection (tests): cut the largest file of ``checkpoint`` to half its size."""
+    largest = max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 2)
+
+
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / META).exists())
+    """Delete all but the newest ``keep`` intact checkpoints (and the one ``last`` names). A damaged one is neither
+    counted nor deleted (a resume moves it aside); one set aside (``<name>.damaged-N``) is not looked at."""
+    intact = [p for p in integrity.checkpoint_dirs(root) if integrity.damage(p, checksums=False) is None]
     current = (root / LAST).read_text().strip()
-    for old in done[:-keep]:
+    for old in intact[:-keep]:
         if old.name != current:
             shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step_*"):  # a save that a crash interrupted
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def resolve(spec: str, run_dir: Path) -> Path:
-    """``last`` -> the checkpoint that ``<run_dir>/checkpoints/last`` names; otherwise a path.
-
-    ``PATH`` may be a checkpoint directory, a run directory, or its ``checkpoints/`` directory.
-    """
-    if spec == "last":
-        root = run_dir / "checkpoints"
-        pointer = root / LAST
-        if not pointer.exists():
-            raise CheckpointError(f"resume=last: no complete checkpoint in {root} (no '{LAST}' file)")
-        return root / pointer.read_text().strip()
-    p = Path(spec)
-    for candidate in (p / "checkpoints" / LAST, p / LAST):
-        if candidate.is_file():
-            return candidate.parent / candidate.read_text().strip()
-    if not p.exists():
-        raise CheckpointError(f"resume={spec}: no such checkpoint directory")
-    return p
 
 
 def _load_file(path: Path, device: torch.device) -> Any:
@@ -284,11 +283,24 @@ def _load_file(path: Path, device: torch.device) -> Any:
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - every failure to read is the same user error: a bad file
-        reason = str(e).strip().splitlines()
-        reason = next((line for line in reason if line.strip()), type(e).__name__)
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            reason = "it holds a pickled object that would run code on load; refusing to load it"
-        raise CheckpointError(f"cannot load checkpoint file {path}: {reason[:300]}") from None
+        raise CheckpointError(f"cannot load checkpoint file {path}: {_load_failure(e)}") from None
+
+
+def _load_failure(e: Exception, most: int = 400) -> str:
+    """Why ``torch.load`` failed, in one line of whole words: torch's first line (cut at a word, with an ellipsis,
+    past ``most`` characters); for ``weights_only``'s refusals, whether the file would run code or is corrupt."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    if "weights only load failed" in lines[0].lower() or "weights_only" in lines[0]:
+        if any("global" in line.lower() for line in lines[1:]):  # "unsupported GLOBAL posix.system", by version
+            return "it holds a pickled object that would run code on load; refusing to load it"
+        said = next((i for i, line in enumerate(lines) if "WeightsUnpickler error" in line), None)
+        detail = lines[said + 1] if said is not None and said + 1 < len(lines) else lines[-1]
+        return f"its pickled data is corrupt ({detail})"
+    line = lines[0]
+    if len(line) <= most:
+        return line
+    cut = line.rfind(" ", 0, most)
+    return line[: cut if cut > 0 else most].rstrip(" ,;:") + " ..."
 
 
 def _read_meta(path: Path) -> dict:
@@ -300,6 +312,16 @@ def _read_meta(path: Path) -> dict:
         raise CheckpointError(f"incomplete checkpoint {path}: {META} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"corrupt checkpoint file {path / META}: {e}") from None
+
+
+def checkpoint_meta(path: Path) -> dict:
+    """The ``meta.json`` of checkpoint ``path``: what a run reads of it before it builds anything (the global batch
+    it keeps).
+
+    Raises:
+        CheckpointError: not a checkpoint directory, or no readable meta.json in it.
+    """
+    return _read_meta(Path(path))
 
 
 def read(path: Path, *, rank: int, device: torch.device) -> dict[str, Any]:
@@ -520,7 +542,9 @@ class Checkpointer:
             console.info(headline.format(path=path, step=step))
             for line in said:
                 console.info(line)
+            # With train.global_batch_size, grad_accum is derived: the plan's line says how and why it changed.
+            derived = ("train.grad_accum:",) if _get(self.config, "train.global_batch_size") is not None else ()
             for line in changes:
-                if not line.startswith(("run.", "model.kwargs")):
+                if not line.startswith(("run.", "model.kwargs", *derived)):
                     console.info(f"  changed on resume: {line}")
         return step

@@ -12,11 +12,14 @@
   lock from another host cannot be checked from here and is respected (the message says how to remove it).
 - The lock is removed when the run ends, also on an error; a SIGKILLed run leaves it stale for the next to take.
 
-``resume=auto`` (the same command for the first start, torchrun's restarts and a requeued job) is decided here too,
-by rank 0, before any rank reads a checkpoint; every rank gets its answer as a :class:`Start`:
+``resume=auto`` (the same command for the first start, torchrun's restarts and a requeued job), ``resume=last`` and
+``resume=PATH`` are decided here too, by rank 0, before any rank reads a checkpoint; every rank gets its answer as a
+:class:`Start`, the checkpoint's path fixed, so every rank loads the same one:
 
-- ``checkpoints/last`` names a checkpoint: the run resumes from it (the path is fixed here, so every rank loads
-  the same one).
+- ``checkpoints/last`` names a checkpoint: the run resumes from it if it is intact, else from the newest intact one
+  before it; each damaged one passed over is moved aside to ``<name>.damaged-N`` with a warning, and ``last`` is
+  pointed at the intact one (:mod:`trainer.integrity`). None intact: exit 2 listing each and why. ``resume=last``
+  does the same; ``resume=PATH`` naming a damaged checkpoint exits 2 (it was asked for by name).
 - No checkpoint, and no run (an empty or new directory): the run starts fresh.
 - No checkpoint, and a run that keeps checkpoints (its ``config.yaml`` has ``checkpoint.enabled: true``): that run
   stopped before its first save (a run saves at its end and on a stop signal), so nothing of it can be continued;
@@ -42,7 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from trainer import console
+from trainer import console, integrity
 from trainer.distributed.env import DistEnv, every_rank, restart_warning
 from trainer.io import pid_alive
 
@@ -68,7 +71,7 @@ class Start:
     """How a run starts in its directory, as rank 0 decided it (every rank holds the same).
 
     Attributes:
-        resume: what to load: ``last`` or a path as given, the checkpoint ``resume=auto`` found, or None (fresh).
+        resume: the checkpoint to load, checked (``resume=last``, ``auto`` or ``PATH`` decided), or None (fresh).
         asked: the command line's ``resume=`` (``auto``, ``last``, a path), or None.
         restart: torchrun's restart count of this job (``TORCHELASTIC_RESTART_COUNT``, 0 for its first start), None
             outside torchrun; ``max_restarts``: its ``--max-restarts``.
@@ -85,9 +88,10 @@ class Start:
         return f" (torchrun restart {self.restart} of at most {self.max_restarts})" if self.restart else ""
 
     def headline(self) -> str:
-        """The startup line of a resume, a template of ``{path}`` and ``{step}``."""
-        auto = f"{AUTO}: " if self.asked == AUTO else ""
-        return f"resume={auto}resumed from {{path}} at step {{step}}{self._restarted()}"
+        """The startup line of a resume, a template of ``{path}`` and ``{step}``: ``resume=last: resumed from ...``
+        or ``resume=auto: ...``; a path asked for is the path resumed from, so its line is ``resumed from ...``."""
+        asked = f"resume={self.asked}: " if self.asked in (AUTO, "last") else ""
+        return f"{asked}resumed from {{path}} at step {{step}}{self._restarted()}"
 
     def fresh_line(self, run_dir: Path) -> str | None:
         """The startup line of a fresh start under ``resume=auto`` or a torchrun restart; None for a plain one."""
@@ -118,6 +122,7 @@ def claim(
     Raises:
         RunDirError: on every rank: a live run holds the directory, or it holds a run that a fresh run would
             overwrite (``run.overwrite=false``).
+        CheckpointError: on every rank: the checkpoint to resume is missing or damaged, or none is intact.
     """
     lock, refused, start = None, None, None
     if env.is_main:
@@ -125,15 +130,16 @@ def claim(
             say(warning)
         try:
             lock, start = _claim(Path(run_dir), resume, overwrite, say)
-        except (RunDirError, OSError) as e:  # OSError: run.dir cannot be created or read
-            error = e if isinstance(e, RunDirError) else RunDirError(f"run.dir {run_dir}: {e}")
+        except (RunDirError, integrity.CheckpointError, OSError) as e:  # OSError: run.dir cannot be created or read
+            error = e if isinstance(e, ValueError) else RunDirError(f"run.dir {run_dir}: {e}")
             if not env.distributed:
                 raise error from None
-            refused = str(error)
+            refused = (type(error) is integrity.CheckpointError, str(error))
     if env.distributed:
         refused, start = every_rank((refused, start), env)[0]
         if refused:
-            raise RunDirError(refused, all_ranks=True)
+            checkpoint, message = refused
+            raise (integrity.CheckpointError if checkpoint else RunDirError)(message, all_ranks=True)
     try:
         yield start
     finally:
@@ -146,11 +152,20 @@ def _claim(run_dir: Path, resume: str | None, overwrite: bool, say: Callable[[st
     lock = RunLock(run_dir / LOCK)
     lock.check()  # before anything is written: a live run holds the directory
     old = describe(run_dir)
-    start = Start(resume, resume, *torchrun_restart())
+    start, found = Start(resume, resume, *torchrun_restart()), None
     if resume == AUTO:
-        start = _decide_auto(run_dir, old, start)
+        start, found = _decide_auto(run_dir, old, start)
         old = None if start.again else old  # an earlier start that saved no checkpoint: started again in place
-        resume = start.resume
+    elif resume == "last":
+        found = integrity.find(run_dir / "checkpoints", "resume=last")
+        if found is None:
+            where = run_dir / "checkpoints"
+            raise integrity.CheckpointError(f"resume=last: no complete checkpoint in {where} (no 'last' file)")
+    elif resume is not None:  # a path, checked; a run directory's last (another run's: nothing is moved there)
+        start = replace(start, resume=str(integrity.resolve(resume, run_dir)))
+    if found is not None:
+        start = replace(start, resume=str(found.intact))
+    resume = start.resume
     if old and not resume and not overwrite:
         if start.asked == AUTO:
             raise RunDirError(
@@ -178,16 +193,21 @@ def _claim(run_dir: Path, resume: str | None, overwrite: bool, say: Callable[[st
             lock.release()
             raise
         say(f"run.overwrite=true: moved the old run in {run_dir} ({old}) aside to {aside}; nothing was deleted")
+    if found is not None:  # the damaged checkpoints passed over, moved aside while this process holds the lock
+        try:
+            integrity.set_aside(found, say)
+        except BaseException:
+            lock.release()
+            raise
     return lock, start
 
 
-def _decide_auto(run_dir: Path, old: str | None, start: Start) -> Start:
-    """``resume=auto``: the checkpoint ``checkpoints/last`` names, else a fresh start (``again`` over an earlier
-    start of a run that keeps checkpoints but saved none)."""
-    pointer = run_dir / "checkpoints" / "last"
-    if pointer.is_file():
-        return replace(start, resume=str(pointer.parent / pointer.read_text().strip()))
-    return replace(start, resume=None, again=old is not None and _keeps_checkpoints(run_dir / "config.yaml"))
+def _decide_auto(run_dir: Path, old: str | None, start: Start) -> tuple[Start, integrity.Found | None]:
+    """``resume=auto``: the newest intact checkpoint from the one ``checkpoints/last`` names back, else a fresh
+    start (``again`` over an earlier start of a run that keeps checkpoints but saved none)."""
+    if found := integrity.find(run_dir / "checkpoints", "resume=auto"):
+        return start, found
+    return replace(start, resume=None, again=old is not None and _keeps_checkpoints(run_dir / "config.yaml")), None
 
 
 def _keeps_checkpoints(config: Path) -> bool:
@@ -237,7 +257,7 @@ def describe(run_dir: Path) -> str | None:
         parts.append(f"metrics.jsonl up to step {step}")
     root = run_dir / "checkpoints"
     pointer = root / "last"
-    done = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
+    done = [p.name for p in integrity.checkpoint_dirs(root)]
     if pointer.is_file():
         parts.append(f"last checkpoint {root / pointer.read_text().strip()}")
     elif done:
