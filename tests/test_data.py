@@ -49,6 +49,35 @@ def test_global_batch_does_not_depend_on_world_size(corpus):
     assert not torch.equal(_global_batch(corpus, 1, 8, 1, 0), _global_batch(corpus, 1, 8, 1, 1))
 
 
+def test_the_plans_global_batch_is_the_same_data_on_one_or_two_ranks(corpus):
+    """train.global_batch_size=8 of micro-batches of 2: one process accumulates 4 of them, each of 2 ranks 2 (the
+    plan derives grad_accum); the sequences of a step, rank 0's micro-batches then rank 1's, are the same."""
+    from trainer import build, plan
+    from trainer.config import load_config
+    from trainer.distributed.env import DistEnv
+
+    overrides = ["data.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=8", "distributed.strategy=ddp"]
+    cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
+
+    def step_rows(world: int, step: int) -> torch.Tensor:
+        rows = []
+        for rank in range(world):
+            env = DistEnv(rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"),
+                          backend=None if world == 1 else "gloo")  # fmt: skip
+            the_plan = plan.resolve(cfg, env)
+            b = build.batches(the_plan, corpus, env)
+            assert b.global_batch == 8 and the_plan.cfg.train.grad_accum == 4 // world
+            rows += [b.train_batch(step, m)[0] for m in range(the_plan.cfg.train.grad_accum)]
+        return torch.cat(rows)
+
+    for step in (0, 3):
+        one, two = step_rows(1, step), step_rows(2, step)
+        assert one.shape == (8, 16) and torch.equal(one, two)
+    with pytest.raises(AssertionError, match="global batch 6 != micro_batch_size 2 x grad_accum 4 x 1 ranks"):
+        Batches(corpus, seq_len=16, micro_batch_size=2, grad_accum=4, rank=0, world_size=1, seed=7, device="cpu",
+                global_batch=6)  # fmt: skip
+
+
 def test_targets_are_inputs_shifted(corpus):
     x, y = _batches(corpus, 1, 0, 4, 1).train_batch(3, 0)
     assert x.shape == y.shape == (4, 16) and x.is_contiguous() and y.is_contiguous()

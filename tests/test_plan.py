@@ -24,7 +24,7 @@ def _env(device: str = "cpu", world: int = 1) -> DistEnv:
 def _autos(value, where: str = "") -> list[str]:
     """The places of ``value`` (a plan.json document) that still say auto."""
     if isinstance(value, dict):
-        return [a for k, v in value.items() if k != "choices" for a in _autos(v, f"{where}.{k}")]
+        return [a for k, v in value.items() if k not in ("choices", "cwd") for a in _autos(v, f"{where}.{k}")]
     if isinstance(value, list):
         return [a for i, v in enumerate(value) for a in _autos(v, f"{where}[{i}]")]
     return [where] if isinstance(value, str) and "auto" in value.lower() else []
@@ -36,7 +36,8 @@ def test_every_shipped_config_plans_without_auto(config, env):
     """Resolved for a CPU, one GPU and two GPUs (no GPU is touched: the rules read the device's type)."""
     doc = plan.resolve(load_config(ROOT / config), env).as_dict()
     assert not _autos(doc), (config, _autos(doc), doc)
-    assert all("auto: " in line for line in doc["choices"]), doc["choices"]
+    # One line per auto, and grad_accum's where train.global_batch_size derives it.
+    assert all("auto: " in line or line.startswith("train.grad_accum: ") for line in doc["choices"]), doc["choices"]
 
 
 def test_what_auto_becomes_on_each_device_and_world():
@@ -94,7 +95,11 @@ def test_every_fuzzed_config_plans_without_auto(overrides):
     except ConfigError:
         return
     for env in (_env(), _env("cuda:0"), _env("cuda:0", 2)):
-        doc = plan.resolve(cfg, env).as_dict()
+        try:
+            doc = plan.resolve(cfg, env).as_dict()
+        except ConfigError as e:  # a global batch these ranks cannot split: the one error the plan raises
+            assert str(e).startswith("train.global_batch_size: "), (overrides, str(e))
+            continue
         assert not _autos(doc), (overrides, _autos(doc))
 
 
@@ -119,3 +124,105 @@ def test_placed_plan_holds_the_bucket_plan_or_the_fsdp_units(strategy):
         assert "embeddings" in names
     else:
         assert len(placed.layout) == len(units)
+
+
+# -- the global batch: train.global_batch_size, grad_accum derived, a resume's checkpoint -------------------------
+
+GLOBAL = ["train.micro_batch_size=8", "train.global_batch_size=64"]
+
+
+def _train(*overrides: str):
+    return load_config(ROOT / "configs/tiny.yaml", list(overrides)).train
+
+
+@pytest.mark.parametrize("ranks, accum", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_global_batch_size_derives_grad_accum_for_each_world(ranks, accum):
+    """64 sequences a step on any number of ranks: grad_accum = 64 / (8 x ranks), in the resolved config, the
+    sampler's global batch and plan.json (one line in its choices)."""
+    cfg = load_config(ROOT / "configs/tiny.yaml", [*GLOBAL, "distributed.strategy=ddp"])
+    p = plan.resolve(cfg, _env("cpu", ranks))
+    assert (p.global_batch, p.cfg.train.grad_accum, p.cfg.train.global_batch_size) == (64, accum, 64)
+    ranks_said = f"{ranks} data-parallel rank" + ("s" if ranks > 1 else "")
+    line = f"train.grad_accum: {accum} = train.global_batch_size 64 / (train.micro_batch_size 8 x {ranks_said})"
+    doc = p.as_dict()
+    assert line in doc["choices"] and (doc["train.grad_accum"], doc["global_batch"]) == (accum, 64)
+    assert cfg.train.grad_accum == 1  # the config as given is not changed
+    assert (p.batch.note, p.batch.warning) == (None, None)
+
+
+def test_without_global_batch_size_the_global_batch_grows_with_the_ranks():
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["train.micro_batch_size=8", "train.grad_accum=2"])
+    for ranks in (1, 2):
+        p = plan.resolve(cfg, _env("cpu", ranks))
+        assert (p.global_batch, p.cfg.train.grad_accum, p.cfg.train.global_batch_size) == (16 * ranks, 2, None)
+        assert not [line for line in p.choices if line.startswith("train.grad_accum")]
+
+
+@pytest.mark.parametrize(
+    "sequences, micro, ranks, fix",
+    [
+        (48, 16, 2, "set train.global_batch_size to a multiple of 32, or train.micro_batch_size to a divisor of 24"),
+        (24, 16, 1, "set train.global_batch_size to a multiple of 16, or train.micro_batch_size to a divisor of 24"),
+        (8, 4, 3, "set train.global_batch_size to a multiple of 12, or run on a number of ranks that divides 2"),
+    ],
+)
+def test_a_global_batch_the_ranks_cannot_split_names_both_numbers(sequences, micro, ranks, fix):
+    with pytest.raises(ConfigError) as e:
+        plan.global_batch(_train(f"train.micro_batch_size={micro}", f"train.global_batch_size={sequences}"), ranks)
+    rank_s = "rank" if ranks == 1 else "ranks"
+    assert str(e.value) == (
+        f"train.global_batch_size: {sequences} is not a multiple of train.micro_batch_size ({micro}) x {ranks} "
+        f"data-parallel {rank_s} = {micro * ranks}; {fix}"
+    )
+
+
+def test_a_given_grad_accum_that_disagrees_is_replaced_with_a_note():
+    batch = plan.global_batch(_train(*GLOBAL, "train.grad_accum=3"), 2)
+    assert batch.grad_accum == 4
+    assert batch.note == "train.grad_accum=3 replaced by 4: derived from train.global_batch_size"
+    assert plan.global_batch(_train(*GLOBAL, "train.grad_accum=4"), 2).note is None  # it agrees
+
+
+def test_saved_batch_reads_a_checkpoints_meta():
+    meta = {"world_size": 2, "sampler": {"seed": 1, "next_step": 3, "global_batch": 16},
+            "config": {"train": {"micro_batch_size": 4, "grad_accum": 2, "global_batch_size": None}}}  # fmt: skip
+    assert plan.SavedBatch.of(meta) == plan.SavedBatch(16, None, 2, 2)
+    assert plan.SavedBatch.of({"world_size": 4}) == plan.SavedBatch(None, None, None, 4)  # no sampler saved
+
+
+def test_a_resume_keeps_the_checkpoints_global_batch_on_another_world():
+    """The checkpoint trained 16 sequences a step on 2 ranks (grad_accum 1) with train.global_batch_size set; the
+    resume in one process keeps 16, with grad_accum 2, whether or not its own config sets the key."""
+    saved = plan.SavedBatch(16, key=16, grad_accum=1, dp_ranks=2)
+    line = "resume: global batch 16 sequences kept; train.grad_accum 1 -> 2 for 1 data-parallel rank"
+    for train in (_train("train.micro_batch_size=8"), _train("train.micro_batch_size=8", "train.global_batch_size=16")):
+        batch = plan.global_batch(train, 1, saved)
+        assert (batch.sequences, batch.grad_accum, batch.note, batch.warning) == (16, 2, line, None)
+    assert plan.global_batch(_train("train.micro_batch_size=8"), 2, saved).note is None  # the same world: nothing
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["train.micro_batch_size=8"])
+    assert plan.resolve(cfg, _env(), saved).cfg.train.global_batch_size == 16  # carried into config.yaml
+
+
+def test_a_resume_given_another_global_batch_size_says_so():
+    saved = plan.SavedBatch(16, key=16, grad_accum=1, dp_ranks=2)
+    batch = plan.global_batch(_train("train.micro_batch_size=8", "train.global_batch_size=32"), 1, saved)
+    assert (batch.sequences, batch.grad_accum) == (32, 4)
+    assert batch.note == (
+        "resume: train.global_batch_size 32 replaces the checkpoint's global batch of 16 sequences; "
+        "train.grad_accum 4 for 1 data-parallel rank"
+    )
+
+
+def test_without_the_key_a_resume_on_another_world_warns():
+    """A checkpoint of 2 ranks x 8 sequences resumed in one process without train.global_batch_size: the global
+    batch halves, and the warning gives both numbers and the key that would keep it."""
+    saved = plan.SavedBatch(16, key=None, grad_accum=1, dp_ranks=2)
+    batch = plan.global_batch(_train("train.micro_batch_size=8"), 1, saved)
+    assert (batch.sequences, batch.grad_accum, batch.note) == (8, 1, None)
+    assert batch.warning == (
+        "resume: the global batch changes from the checkpoint's 16 sequences per step on 2 data-parallel ranks to 8 "
+        "(train.micro_batch_size 8 x train.grad_accum 1 x 1 data-parallel rank); set train.global_batch_size=16 to "
+        "keep it on any number of GPUs"
+    )
+    assert plan.global_batch(_train("train.micro_batch_size=8", "train.grad_accum=2"), 1, saved).warning is None
+    assert plan.global_batch(_train("train.micro_batch_size=4"), 2, saved).warning is None  # the same world

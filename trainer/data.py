@@ -8,7 +8,8 @@ its meta.json gives). Token files are memory-mapped, never read whole; loading c
 is a whole number of tokens and that every id is inside the vocabulary (one vectorised pass).
 
 Batches are random windows drawn from a generator seeded by ``(seed, step)``. The global
-batch of a step is fixed by the step alone; each rank takes its contiguous slice. So the
+batch of a step is fixed by the step and the global batch size alone; each data-parallel rank
+takes its contiguous slice. So with the global batch fixed (``train.global_batch_size``) the
 data a run sees does not depend on the world size, and the sampler's whole position is the
 step number, which checkpoints store.
 """
@@ -286,22 +287,42 @@ def _tail_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np
 
 
 class Batches:
-    """Random windows of ``seq_len + 1`` tokens, a pure function of ``(seed, split, step)``.
+    """Random windows of ``seq_len + 1`` tokens, a pure function of ``(seed, split, step)`` and the global batch:
+    a step's global batch is drawn whole, and data-parallel rank ``r`` takes its contiguous slice (its
+    micro-batches one after another), so the data of a step is the same on 1 or N ranks.
 
     Args:
         corpus: the token arrays.
         seq_len: tokens per sequence.
         micro_batch_size: sequences per micro-batch on one rank.
         grad_accum: micro-batches per step.
-        rank, world_size: this rank's slice of the global batch.
+        rank, world_size: this data-parallel rank's slice of the global batch, and the number of such ranks.
         seed: the run's seed.
         device: where batches go.
+        global_batch: sequences per step over all ranks (the plan's, :attr:`trainer.plan.Plan.global_batch`); it
+            must be ``micro_batch_size x grad_accum x world_size``. None: that product.
     """
 
-    def __init__(self, corpus: Corpus, *, seq_len, micro_batch_size, grad_accum, rank, world_size, seed, device):
+    def __init__(
+        self,
+        corpus: Corpus,
+        *,
+        seq_len,
+        micro_batch_size,
+        grad_accum,
+        rank,
+        world_size,
+        seed,
+        device,
+        global_batch=None,
+    ):
         self.corpus, self.T, self.B, self.accum = corpus, seq_len, micro_batch_size, grad_accum
         self.rank, self.world, self.seed, self.device = rank, world_size, seed, torch.device(device)
         self.global_batch = micro_batch_size * grad_accum * world_size
+        assert global_batch in (None, self.global_batch), (
+            f"global batch {global_batch} != micro_batch_size {micro_batch_size} x grad_accum {grad_accum} x "
+            f"{world_size} ranks"
+        )
         self._pin = self.device.type == "cuda"
         self._arange = np.arange(seq_len + 1)
 

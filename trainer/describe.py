@@ -32,9 +32,12 @@ def describe_path(plan: plan_rules.Plan, opt) -> str:
     return f"path: {path}; {', '.join(kernels)}{reasons}"
 
 
-def describe_run(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_step: int) -> str:
-    """The startup line that says what trains on what: parameters, data, device and strategy, precision, steps,
-    run dir (from the plan)."""
+def describe_run(
+    plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_step: int, threads: str | None = None
+) -> str:
+    """The startup line that says what trains on what: parameters, data, device and strategy, precision, steps and
+    the global batch (micro-batch x grad_accum x data-parallel ranks), run dir (from the plan); ``threads``: how many
+    torch's CPU ops run on and why (:func:`trainer.threads.set_threads`), on the CPU."""
     from trainer.models.hf import attention_of
 
     cfg, device, strategy = plan.cfg, plan.device, plan.strategy
@@ -52,11 +55,45 @@ def describe_run(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_ste
     cost = cpu_cost(cfg, model) if device.type == "cpu" else None
     fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if plan.precision == "fp8" else ""
     precision = fp8 + precision_name(plan.autocast)
+    t, dp = cfg.train, strategy.dp_ranks
+    batch = f"global batch {plan.global_batch} = {t.micro_batch_size} x {t.grad_accum} accumulated x {dp} rank"
+    batch += "s" if dp > 1 else ""
     return (
         f"trainer {cfg.run.name}: {n_params / 1e6:.2f}M params, {corpus.description}, "
         f"{len(corpus.train) / 1e6:.1f}M train tokens; device {device}{ranks}, {precision}; "
-        f"{cfg.train.steps} steps x {tokens_per_step} tokens; run dir {cfg.run.dir}{eager}"
+        + (f"{threads}; " if threads else "")
+        + f"{cfg.train.steps} steps x {tokens_per_step} tokens ({batch}); run dir {cfg.run.dir}{eager}"
         + (f"\n{cost}" if cost else "")
+    )
+
+
+def say_startup(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_step: int, opt, threads: str | None):
+    """Say what the run trains and how (:func:`describe_run`, :func:`describe_path`), how a resume kept or changed
+    the global batch, and a warm-up longer than the run (rank 0)."""
+    from trainer import console
+
+    console.info(describe_run(plan, model, corpus, tokens_per_step, threads=threads))
+    console.info(describe_path(plan, opt))
+    plan.batch.say()
+    if warmup := warmup_note(plan.cfg):
+        console.warn(warmup)
+
+
+def warmup_note(cfg: Config) -> str | None:
+    """The warning for a warm-up longer than the run (``schedule.warmup_steps`` > ``train.steps``): the learning
+    rate rises through every step, reaches only a fraction of ``optim.lr`` (:func:`trainer.build.lr_lambda`'s at the
+    last step) and never decays. None for a warm-up that fits."""
+    from trainer.build import lr_lambda
+
+    warmup, steps = cfg.schedule.warmup_steps, cfg.train.steps
+    if warmup <= steps:
+        return None
+    peak = 100 * lr_lambda(cfg)(steps - 1)  # the last step's multiplier (step k runs at lr_lambda(k - 1)), in percent
+    shown = f"{peak:.2g}%" if peak < 10 else f"{min(peak, 99):.0f}%"  # 3.99 -> 4%; 99.8 is not 100%
+    return (
+        f"schedule.warmup_steps={warmup} is longer than train.steps={steps}: the learning rate reaches only {shown} "
+        f"of optim.lr, and no decay follows; set schedule.warmup_steps below train.steps (e.g. {steps // 10}, a "
+        "tenth of the run) or raise train.steps"
     )
 
 

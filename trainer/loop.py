@@ -57,14 +57,14 @@ class Trainer:
             dist_env.teardown(env, failed=sys.exc_info()[0] is not None)  # an exception on its way out
 
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
-        device = env.device
-        resolved = plan.resolve(self.cfg, env)  # every auto, once: the compile switches the fastest path here
+        # Every auto, once: the compile switches the fastest path here; a resume keeps its checkpoint's global batch.
+        resolved = plan.resolve(self.cfg, env, plan.SavedBatch.read(start.resume))
         cfg, run_dir = resolved.cfg, Path(resolved.cfg.run.dir)
-        build.set_up_process(cfg)  # the seeds, train.threads
+        threads = build.set_up_process(cfg, env.device)  # the seeds, torch's threads
         # The data, the model (checked against the data) and its layout, the optimizer; a resume's state.
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip
-        batches = build.batches(cfg, corpus, env)
+        batches = build.batches(resolved, corpus, env)
         self.raw_model = raw_model = build.make_model(resolved, corpus.vocab_size, env)
         resolved = resolved.placed(raw_model)  # the bucket plan or the FSDP units
         if env.is_main:
@@ -77,8 +77,8 @@ class Trainer:
             build.shard(raw_model, resolved, env)
         opt = build.make_optimizer(raw_model, resolved)  # shard_optimizer: parameters moved into buckets
         sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
-        scaler = build.grad_scaler(resolved.autocast, device)
-        states = run_states(raw_model, opt, sched, scaler, batches, lr=cfg.optim.lr, device=device)
+        scaler = build.grad_scaler(resolved.autocast, env.device)
+        states = run_states(raw_model, opt, sched, scaler, batches, lr=cfg.optim.lr, device=env.device)
         storage, sides = DCP if resolved.strategy.fsdp else TORCH_SAVE, [CompileCache()] if compiling else []
         ckpts = Checkpointer(states, storage, run_dir, env, config=to_dict(cfg), keep=cfg.checkpoint.keep, beside=sides)
         progress = ckpts.begin(start)  # the step and tokens seen: resumed (resume=auto: if there is a checkpoint), or 0
@@ -88,8 +88,7 @@ class Trainer:
         model, self.splitter = build.wrap(raw_model, resolved, env, opt=opt)
         train_step = build.train_step(model, raw_model, opt, scaler, resolved, env)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
-        console.info(describe.describe_run(resolved, raw_model, corpus, tokens_per_step))
-        console.info(describe.describe_path(resolved, opt))
+        describe.say_startup(resolved, raw_model, corpus, tokens_per_step, opt, threads)  # the run, its path, notes
         watcher = build.compile_watcher(cfg, model=raw_model)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
@@ -103,7 +102,8 @@ class Trainer:
 
         log = StepLog(metrics, env=env, start_step=progress.step, last_step=cfg.train.steps, log_every=cfg.log.every,
                       tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(raw_model, cfg.data.seq_len),
-                      peak_flops=peak_flops(device, cfg.log.peak_flops), compiled=compiling, check=check)  # fmt: skip
+                      peak_flops=peak_flops(env.device, cfg.log.peak_flops), compiled=compiling,
+                      check=check)  # fmt: skip
         model.train()
         try:
             while progress.step < cfg.train.steps:
@@ -114,7 +114,7 @@ class Trainer:
                 log.launched(step, out, lr, progress.tokens_seen)  # and writes the step before it
                 due = _due(cfg, step, env, signals)
                 if due.evaluate or due.save or due.stop or log.reads_at_once(step):
-                    record = log.read(force=due.evaluate)  # now, before anything reads the state
+                    record = log.read(force=due.evaluate or bool(due.stop))  # now; a stop's step is the last row
                     if (due.evaluate or due.save) and resolved.strategy.ddp:  # before a checkpoint keeps rank 0's
                         check_replicas(raw_model, env, step, drift=fault_point("replica_drift", step, env.rank))
                     if due.evaluate:  # the first evaluation compiles its own (eval, no-grad) graph: expected
