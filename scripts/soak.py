@@ -13,7 +13,8 @@ each row of ``metrics.jsonl`` its wall time) and the size of the run's compile c
 Read from the rows (``log.every`` steps apart): ``step_time``, ``mem_allocated_gb`` and ``mem_reserved_gb`` (CUDA),
 ``host_rss_gb`` (rank 0). The checks, with W = minutes / 5 (one minute of a 5-minute soak):
 
-- step time: the median over [W, 2W) against the median over the last W, within 2%;
+- step time: the median over [W, 2W) against the median over the last W, within 2% (``--tiny``, on shared CPU
+  cores: 25%);
 - allocated memory: flat (the same two windows within 1%);
 - reserved memory (less than 2%) and host RSS (less than 1%): growth within each start of the job, a process of its
   own, once it is steady: after its first evaluation (which compiles the evaluation's graphs and takes their
@@ -44,6 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LIMITS = {"step_time": 2.0, "mem_allocated": 1.0, "mem_reserved": 2.0, "host_rss": 1.0}  # percent
+# --tiny's step time on shared CPU cores: three half-minute soaks on 2 cores read +7.5%, -5.9% and -15.5% with nothing
+# drifting, so its check catches a step that slows by a quarter or more (a leak), not the GPU soak's 2%.
+TINY_STEP_TIME_LIMIT = 25.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -223,7 +227,7 @@ def analyse(a, run: dict) -> dict:
     rows = [r for r in run["rows"] if r.get("first_step_s") is None]  # a start's first step is its compile
     checks = {
         "step_time": _change(_median(rows, "step_time", w, 2 * w), _median(rows, "step_time", total - w, total),
-                             LIMITS["step_time"]),
+                             TINY_STEP_TIME_LIMIT if a.tiny else LIMITS["step_time"]),
         "mem_allocated": _change(_median(rows, "mem_allocated_gb", w, 2 * w),
                                  _median(rows, "mem_allocated_gb", total - w, total), LIMITS["mem_allocated"]),
     }  # fmt: skip

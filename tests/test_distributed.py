@@ -170,6 +170,10 @@ def test_save_on_two_ranks_resume_on_one(one_process, tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "checkpoints" / "step_000005" / "dcp").is_dir()
     assert not (tmp_path / "checkpoints" / "step_000005" / "model.pt").exists()
+    # The manifest, written by rank 0 once both ranks wrote: every rank's files, its DCP shards too.
+    manifest = json.loads((tmp_path / "checkpoints" / "step_000005" / "manifest.json").read_text())["files"]
+    shards = {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt"}
+    assert shards <= set(manifest), sorted(manifest)
     r = cli(capsys, "fit", "configs/tiny.yaml", *COMMON, "train.micro_batch_size=8", f"run.dir={tmp_path}",
             "resume=last")  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 SECTIONS = "run|seed|model|data|optim|schedule|train|compile|distributed|checkpoint|log"
 TYPO_EXAMPLE = "optim.lrr"  # the pages show what a misspelt key does
-FILE_SUFFIXES = {"bin", "json", "jsonl", "yaml", "py", "md", "txt", "png"}
+FILE_SUFFIXES = {"bin", "json", "jsonl", "yaml", "py", "md", "txt", "png", "pt"}
 HISTORY = re.compile(r"\bsession \d+|\bsince then\b|\bthis session\b", re.IGNORECASE)
 
 
@@ -81,3 +81,23 @@ def test_version_is_one():
 def test_readme_is_a_product_page():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines; the details belong in docs/"
+
+
+def test_the_readme_test_command_is_what_ci_runs_with_the_pins():
+    """CI runs the README's test command, and that command installs the pinned versions (constraints.txt), which
+    name every package the dev extra asks for: a fresh machine gets what CI was green on."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("pip install") and "pytest" in line)
+    assert command in (ROOT / ".ci" / "run").read_text()
+    assert "-c constraints.txt" in command
+    pins = {
+        re.split(r"[=<>]", line)[0].strip().lower().replace("_", "-")
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["dev"]
+    names = {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-") for req in wanted}
+    assert not names - pins, f"constraints.txt does not pin {sorted(names - pins)}"

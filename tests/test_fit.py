@@ -82,16 +82,39 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, capsys):
     assert not (root / ".tmp-step_000020").exists()  # the torn write is cleaned up
 
 
-def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys):
+def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys, monkeypatch):
+    import io
+    import struct
+    import zipfile
+
+    from trainer import integrity
+
     assert _fit(capsys, tmp_path, "train.steps=5").returncode == 0
-    model_pt = tmp_path / "checkpoints/step_000005/model.pt"
+    checkpoint = tmp_path / "checkpoints/step_000005"
+    model_pt = checkpoint / "model.pt"
     data = model_pt.read_bytes()
     model_pt.write_bytes(data[: len(data) // 2])
     r = _fit(capsys, tmp_path, "train.steps=10", "resume=last")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert str(model_pt) in r.stderr, r.stderr
+    cut = f"model.pt is {len(data) // 2:,} bytes, its manifest says {len(data):,}"
+    assert f"resume=last: no intact checkpoint in {checkpoint.parent}: step_000005 ({cut})" in r.stderr, r.stderr
 
-    # A checkpoint file carrying a pickled object that runs code on load is refused, and the code never runs.
+    # Damaged inside, its size unchanged, and no checksum to find it (as for a file over CHECKSUM_MAX_BYTES): the
+    # integrity check passes, the load fails: exit 2 with the reason in whole words.
+    monkeypatch.setattr(integrity, "CHECKSUM_MAX_BYTES", 0)
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(data)).infolist() if i.filename.endswith("data.pkl"))
+    name, extra = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])  # its local header's
+    start = info.header_offset + 30 + name + extra
+    model_pt.write_bytes(data[: start + 2] + b"\xff" * 8 + data[start + 10 :])  # opcodes after the protocol's
+    integrity.write_manifest(checkpoint)
+    r = _fit(capsys, tmp_path, "train.steps=10", "resume=last")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert (
+        f"cannot load checkpoint file {model_pt}: its pickled data is corrupt (Unsupported operand 255)\n" in r.stderr
+    )
+
+    # A checkpoint file carrying a pickled object that runs code on load is refused, and the code never runs (its
+    # manifest rewritten to match, as whoever planted it could).
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -99,6 +122,7 @@ def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys):
             return (os.system, (f"touch {marker}",))
 
     torch.save({"x": Evil()}, model_pt)
+    integrity.write_manifest(checkpoint)
     assert not marker.exists()  # saving ran nothing
     r = _fit(capsys, tmp_path, "train.steps=10", "resume=last")
     assert r.returncode == 2, r.stderr
@@ -166,3 +190,25 @@ def test_nan_skip_mode_skips_updates_and_finishes(tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     assert "non-finite loss or gradient norm; update skipped" in r.stderr
     assert "done: 30 steps" in r.stdout
+
+
+def test_a_run_that_stops_early_logs_its_last_step(tmp_path, capsys):
+    # log.every=5 (FAST): step 11 is no log step, yet the run's last; metrics.jsonl and the summary end with it.
+    r = _fit(capsys, tmp_path, "train.steps=20", "train.stop_at=11")
+    assert r.returncode == 0, r.stderr
+    rows = _metrics(tmp_path)
+    assert [x["step"] for x in rows] == [1, 5, 10, 11]
+    assert f"done: 11 steps | loss {rows[-1]['loss']:.4f} |" in r.stdout, r.stdout
+    assert "stopped at train.stop_at at step 11" in r.stderr
+
+
+def test_startup_warns_of_a_warm_up_longer_than_the_run_and_says_the_threads(tmp_path, capsys):
+    r = _fit(capsys, tmp_path, "train.steps=20", "train.stop_at=1", "schedule.warmup_steps=500")
+    assert r.returncode == 0, r.stderr
+    # The last of 20 steps runs at lr_lambda(19) = 20 / 501 of optim.lr: 3.99%.
+    said = "schedule.warmup_steps=500 is longer than train.steps=20: the learning rate reaches only 4% of optim.lr"
+    assert r.stderr.count(said) == 1, r.stderr
+    fits = _fit(capsys, tmp_path / "fits", "train.steps=2", "schedule.warmup_steps=2")
+    assert fits.returncode == 0 and "is longer than train.steps" not in fits.stderr, fits.stderr
+    # The startup line says how many threads torch runs and why (OMP_NUM_THREADS=1: tests/conftest.py sets it).
+    assert "; threads: 1 of " in r.stdout and " cores (OMP_NUM_THREADS=1; train.threads sets it); " in r.stdout

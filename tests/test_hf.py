@@ -67,12 +67,12 @@ def runs(dirs, tmp_path_factory):
 
 
 def _first_batch(cfg):
-    from trainer import build
+    from trainer import build, plan
     from trainer.data import load_corpus
 
     corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len)
     env = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    return build.batches(cfg, corpus, env).train_batch(0, 0), corpus
+    return build.batches(plan.one_process(cfg), corpus, env).train_batch(0, 0), corpus
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -185,12 +185,15 @@ def test_export_loads_with_from_pretrained(checkpoint, runs, tmp_path):
     if checkpoint == "dcp":  # the layout an fsdp run writes: the model's tensors as DCP shards, no model.pt
         import torch.distributed.checkpoint as dcp
 
+        from trainer.integrity import write_manifest
+
         run_dir = tmp_path / "run"
         shutil.copytree(run.dir, run_dir)
         ckpt = run_dir / "checkpoints" / f"step_{STEPS:06d}"
         state = torch.load(ckpt / "model.pt", weights_only=True)
         dcp.save({"model": state}, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
         (ckpt / "model.pt").unlink()
+        write_manifest(ckpt)  # the checkpoint's files as this layout has them: it is intact
     out = tmp_path / "out"
     assert main(["export", str(run_dir), str(out)]) == 0
     assert (out / "config.json").is_file() and (out / "trainer_config.yaml").is_file()
@@ -210,6 +213,47 @@ def test_export_keeps_gpt2_tied(runs, tmp_path):
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert exported.lm_head.weight is exported.transformer.wte.weight
     assert torch.equal(exported.lm_head.weight, runs["gpt2"].model.hf.lm_head.weight.detach())
+
+
+def test_export_gives_the_config_the_trained_vocabularys_special_ids(dirs, tmp_path, capsys):
+    """The README's shrunk Llama-3.2-1B (bos 128000, eos 128001 in its config) trained with 256 tokens of bytes:
+    the exported config and generation config name no token past the vocabulary."""
+    from trainer.cli import main
+
+    shrunk = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 64, num_attention_heads: 4, "
+              "num_key_value_heads: 2, intermediate_size: 128, vocab_size: 256}")  # fmt: skip
+    _fit(*_overrides("configs/hf/llama-3.2-1b", tmp_path / "run", dirs, shrunk, "train.steps=2"))
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    assert (
+        "export: special token ids of the trained 256-token vocabulary (the data is bytes, which have no special "
+        "tokens): bos_token_id 128000 -> None, eos_token_id 128001 -> None"
+    ) in capsys.readouterr().out
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((tmp_path / "out" / name).read_text())
+        assert saved.get("bos_token_id") is None and saved.get("eos_token_id") is None, (name, saved)
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.eos_token_id is None
+
+
+def test_special_ids_of_prepared_or_unknown_data():
+    """Prepared data: eos is its end-of-text token, an id past the vocabulary becomes it; data whose tokenizer is
+    not known keeps the ids the vocabulary holds."""
+    from trainer.models.hf import HFCausalLM, fit_special_ids
+
+    def llama(**ids):
+        config = transformers.LlamaConfig(**{**{k: v for k, v in LLAMA.items() if k != "model_type"}, **ids})
+        return HFCausalLM(transformers.LlamaForCausalLM(config))
+
+    model = llama(bos_token_id=128000, eos_token_id=[128001, 128009], pad_token_id=None)
+    said = fit_special_ids(model, 256, "prepared", 0)
+    assert said.endswith("bos_token_id 128000 -> 0, eos_token_id [128001, 128009] -> 0")
+    config = model.hf.config
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, 0, None)
+    assert (model.hf.generation_config.bos_token_id, model.hf.generation_config.eos_token_id) == (0, 0)
+    model = llama(bos_token_id=1, eos_token_id=128001, pad_token_id=2)
+    assert fit_special_ids(model, 256, "unknown", None).endswith("eos_token_id 128001 -> None")
+    assert (model.hf.config.bos_token_id, model.hf.config.pad_token_id) == (1, 2)
+    assert fit_special_ids(llama(bos_token_id=1, eos_token_id=2), 256, "prepared", 2) is None  # nothing to change
 
 
 def test_pretrained_loads_the_weights(dirs, tmp_path):

@@ -7,10 +7,12 @@ on the tiny config, alone and under torchrun on 2 gloo ranks.
 """
 
 import json
+import re
 import sys
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import ROOT, cli, run_cli, torchrun
 from trainer import memory, tune
@@ -82,6 +84,14 @@ def test_estimate_fits_lines_and_respects_measured_out_of_memory():
     assert est.fit("full") is None and est.fits("full", 1) is None and est.largest("full", [1]) is None
     text = est.describe([1, 2, 4, 8, 12, 16], "memory:")
     assert "largest micro-batch that fits: 8" in text and "full" in text and "not measured" in text
+    # The line's intercept is said as where the line runs against the counted parts, never as a negative part.
+    assert "2.88 GB (measured at micro-batch 2, 4, 12; their line meets micro-batch 0 500.0 MB above the" in text
+    below = Estimate(parts, 2048, points=[Point("none", 4, 28 * GB), Point("none", 12, 56 * GB)])
+    assert below.fit("none") == (pytest.approx(3.5 * GB), pytest.approx(-2 * GB))  # 28 - 16 - 4 x 3.5
+    text = below.describe([1, 2, 4], "memory:")
+    said = "3.50 GB (measured at micro-batch 4, 12; their line meets micro-batch 0 2.00 GB below the counted parts)"
+    assert said in text, text
+    assert not re.search(r"-[\d.]+ [MG]B", text), text  # no negative size anywhere
 
 
 class FakeDevice:
@@ -142,6 +152,41 @@ def test_search_probes_each_mode_then_its_largest_fitting_micro_batch(monkeypatc
     assert (best.mode, best.micro_batch) == ("selective", 16)  # 50.8K against none 8: 48K, full 64: 44.8K
     text = tune.table(s.measured)
     assert text.count("\n") == len(device.calls) + 1 and "**fastest**" in text
+
+
+def test_with_global_batch_size_a_candidate_sets_the_micro_batch_alone(monkeypatch, tmp_path):
+    """train.global_batch_size=64 in one process: the 64 sequences per rank and step of micro-batch 4 x grad_accum
+    16, searched alike; each candidate sets train.micro_batch_size alone and its run derives train.grad_accum, and
+    the tuned config keeps the key."""
+    from trainer import plan
+    from trainer.config import ConfigError
+
+    device = FakeDevice()
+    s = _session(monkeypatch, tmp_path, ["train.micro_batch_size=4", "train.global_batch_size=64"], device, 60 * GB)
+    s.estimate.parts = {"counted": (16 * GB, "")}
+    assert (s.per_rank, s.derived) == (64, True)
+    tune.search(s)
+    assert [(m, b) for m, b, _ in device.calls] == [
+        ("none", 4),
+        ("none", 8),
+        ("selective", 4),
+        ("selective", 16),
+        ("full", 4),
+        ("full", 64),
+    ]
+    assert [p.overrides[1:] for p in s.measured[:2]] == [["train.micro_batch_size=4"], ["train.micro_batch_size=8"]]
+    best = tune.fastest(s.measured)
+    tune.write_tuned(s, best, tmp_path / "tuned.yaml", "trainer tune")
+    tuned = load_config(tmp_path / "tuned.yaml")
+    assert (tuned.train.micro_batch_size, tuned.train.global_batch_size) == (best.micro_batch, 64)
+    assert plan.one_process(tuned).cfg.train.grad_accum == 64 // best.micro_batch
+    assert tune.batch_overrides(3, None, derived=True) == [
+        "train.micro_batch_size=3",
+        "train.grad_accum=1",
+        "train.global_batch_size=null",
+    ]  # a probe of one micro-batch a step
+    with pytest.raises(ConfigError, match="train.global_batch_size: 6 is not a multiple of train.micro_batch_size"):
+        _session(monkeypatch, tmp_path, ["train.micro_batch_size=4", "train.global_batch_size=6"], device, 60 * GB)
 
 
 def test_a_global_batch_smaller_than_what_fits_is_named(monkeypatch, tmp_path):
@@ -282,16 +327,19 @@ def test_tune_on_the_cpu_writes_a_config_that_trains(tmp_path):
     head = tuned.read_text().splitlines()[:3]
     assert head[0].startswith("# trainer tune") and "tok/s" in head[1] and "Overrides over" in head[2]
     assert (tmp_path / "run.tune" / "measured.json").exists()
-    r = run_cli(
-        "fit",
-        str(tuned),
-        "train.steps=4",
-        "train.eval_every=0",
-        "checkpoint.enabled=false",
-        f"run.dir={tmp_path / 'fit'}",
-        cwd=tmp_path,
-    )
+    # The printed command works after a run of the config as given: the tuned config's run has its own directory,
+    # and the measurements beside it.
+    assert f"  trainer fit {tuned}\n" in r.stdout
+    saved = yaml.safe_load(tuned.read_text())["run"]
+    assert (saved["name"], saved["dir"]) == ("tiny-tuned", str(tmp_path / "run-tuned"))
+    assert (tmp_path / "run-tuned.tune" / "measured.json").read_bytes() == (
+        tmp_path / "run.tune" / "measured.json"
+    ).read_bytes()
+    short = ["train.steps=2", "train.eval_every=0", "checkpoint.enabled=false"]
+    assert run_cli("fit", str(config), f"run.dir={tmp_path / 'run'}", *short, cwd=tmp_path).returncode == 0
+    r = run_cli("fit", str(tuned), *short, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "run-tuned" / "metrics.jsonl").is_file()
 
 
 def test_tune_under_torchrun_runs_each_candidate_on_every_rank(tmp_path):
@@ -362,4 +410,5 @@ def test_explain_memory_on_the_cpu_prints_the_parts_and_each_mode(capsys, tmp_pa
     for line in ("parameters", "gradients", "optimizer state", "optimizer step", "counted"):
         assert line in r.stdout, r.stdout
     for mode in memory.MODES:
-        assert f"  {mode} " in r.stdout and "(measured at micro-batch 4, 8)" in r.stdout, r.stdout
+        assert f"  {mode} " in r.stdout and "(measured at micro-batch 4, 8" in r.stdout, r.stdout
+    assert not re.search(r"-[\d.]+ [MG]B", r.stdout), r.stdout  # no part, nor an intercept, as a negative size

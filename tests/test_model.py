@@ -1,5 +1,6 @@
 """The built-in GPT and the user-model contract."""
 
+import re
 import sys
 import textwrap
 
@@ -53,6 +54,12 @@ def test_user_model_target(tmp_path, monkeypatch):
             return Tiny(vocab, width)
         def not_a_module():
             return 3
+        def boom(vocab=256):
+            return _layers(vocab)
+        def _layers(vocab):
+            raise RuntimeError("boom from the factory")
+        def adds(vocab=256):
+            return vocab + "x"  # a TypeError inside the factory, not in its arguments
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -66,6 +73,21 @@ def test_user_model_target(tmp_path, monkeypatch):
         build_model(preset=None, vocab_size=256, seq_len=8, target="nopkg_xyz.mod:f")
     with pytest.raises(ValueError, match="rejected its arguments"):
         build_model(preset=None, vocab_size=256, seq_len=8, target="mymodels:make", kwargs={"depth": 1})
+    # The factory's own exception: its type and message, and the line of the user's code that raised it.
+    lines = (tmp_path / "mymodels.py").read_text().splitlines()
+    at = {word: f"{tmp_path / 'mymodels.py'}:{lines.index(next(x for x in lines if word in x)) + 1}"
+          for word in ("raise RuntimeError", "return vocab +")}  # fmt: skip
+    with pytest.raises(ValueError) as e:
+        build_model(preset=None, vocab_size=256, seq_len=8, target="mymodels:boom")
+    assert str(e.value) == (
+        "model.target: the factory mymodels:boom raised RuntimeError: boom from the factory "
+        f"(at {at['raise RuntimeError']}; TRAINER_DEBUG=1 shows the traceback)"
+    )
+    assert isinstance(e.value.__cause__, RuntimeError)  # the traceback TRAINER_DEBUG=1 shows
+    with pytest.raises(
+        ValueError, match=rf"mymodels:adds raised TypeError: .* \(at {re.escape(at['return vocab +'])};"
+    ):
+        build_model(preset=None, vocab_size=256, seq_len=8, target="mymodels:adds")
     sys.modules.pop("mymodels", None)
 
 

@@ -186,7 +186,10 @@ def test_a_vocabulary_far_larger_than_the_data_is_warned_of_unless_pretrained(tm
     config = transformers.LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                       hidden_size=16, intermediate_size=32, vocab_size=4096, bos_token_id=0,
                                       eos_token_id=0, max_position_embeddings=64)  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    llama = transformers.LlamaForCausalLM(config)
+    llama.save_pretrained(tmp_path / "llama")
+    total = sum(p.numel() for p in llama.parameters())
+    grows = 2 * 4096 * 16  # the embedding and the untied head, 16 wide
     text = tmp_path / "text.txt"
     text.write_text((ROOT / "trainer" / "config.py").read_text())
     base = ["fit", "configs/tiny.yaml", f"model.hf={tmp_path / 'llama'}", f"data.path={text}", *FAST[3:],
@@ -196,6 +199,63 @@ def test_a_vocabulary_far_larger_than_the_data_is_warned_of_unless_pretrained(tm
     err = capsys.readouterr().err  # console.warn: stderr
     assert err.count(f"warning: model.hf {tmp_path / 'llama'} {warning}") == 1, err
     assert "model.hf_overrides.vocab_size=256" in err, err
+    share = f"hold {grows / 1e6:.2f}M of its {total / 1e6:.2f}M parameters ({grows / total:.0%}), where the data's "
+    assert f"{share}vocabulary needs {2 * 256 * 16:,}." in err, err  # the share, not a "4096 / 256 = 16x slower"
     assert main([*base, f"run.dir={tmp_path / 'pretrained'}", "model.pretrained=true"]) == 0
     said = capsys.readouterr()
     assert warning not in said.out + said.err
+
+
+# Models with nothing to train: today's first backward would stop with "element 0 of tensors does not require grad".
+NOTHING_TO_TRAIN = """
+import torch.nn as nn
+
+class Constant(nn.Module):  # no parameters: the loss is computed from none
+    def forward(self, idx, targets):
+        return idx.float().mean() * 0 + 1.0
+
+class Frozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(256, 8).requires_grad_(False)
+
+    def forward(self, idx, targets):
+        return self.wte(idx).mean()
+
+class Unused(Constant):  # a parameter that requires grad, which the loss never reaches
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+
+def constant():
+    return Constant()
+
+def frozen():
+    return Frozen()
+
+def unused():
+    return Unused()
+"""
+
+
+@pytest.mark.parametrize(
+    "factory, why",
+    [
+        ("constant", "has no trainable parameters (it has no parameters)"),
+        ("frozen", "has no trainable parameters (its one parameter has requires_grad=False)"),
+        ("unused", "has no trainable parameters in its loss (the loss its forward returns does not require grad"),
+    ],
+)
+def test_a_model_with_nothing_to_train_exits_2_before_step_1(user_dir, capsys, monkeypatch, factory, why):
+    from trainer.cli import main
+
+    (user_dir / "mypkg" / "still.py").write_text(textwrap.dedent(NOTHING_TO_TRAIN))
+    monkeypatch.chdir(user_dir)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the working directory it adds goes with the test
+    for name in ("mypkg", "mypkg.still"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    rc = main(["fit", "my.yaml", *FAST[3:], f"model.target=mypkg.still:{factory}", "run.dir=r"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and "element 0 of tensors" not in err, err
+    assert f"model.target mypkg.still:{factory} {why}" in err, err
+    assert not (user_dir / "r").exists()

@@ -217,6 +217,7 @@ def test_non_empty_directory_without_meta_is_refused(tmp_path, mixed, capsys):
 def _refusals(tmp_path: Path, paths: list[Path]) -> list[tuple[list, str]]:
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n\n')
+    # A bad --val-fraction or --workers is the parser's to refuse, with the usage: tests/test_config.py.
     return [
         ([tmp_path / "missing.txt"], f"source {tmp_path / 'missing.txt'}: no such file or directory"),
         ([tmp_path / "empty.txt", tmp_path / "empty.jsonl"], "holds no documents"),
@@ -229,8 +230,6 @@ def _refusals(tmp_path: Path, paths: list[Path]) -> list[tuple[list, str]]:
         ([paths[0], "--tokenizer", "tiktokn:cl100k_base"], "did you mean tiktoken:cl100k_base?"),
         ([paths[0], "--tokenizer", tmp_path / "nope.json"], "no such file or directory"),
         ([paths[0], "--tokenizer", paths[1]], "is not a Hugging Face tokenizer.json"),
-        ([paths[0], "--val-fraction", "1"], "--val-fraction: expected a number in [0, 1)"),
-        ([paths[0], "--workers", "0"], "--workers: expected a positive number"),
     ]
 
 

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -88,8 +89,8 @@ def test_sample_errors_exit_2(capsys, gpt_run, tmp_path):
     cases = {
         "no such run directory": [str(tmp_path / "nope")],
         "--tokens: expected a positive number": [str(gpt_run), "--tokens", "0"],
-        "--temperature: expected 0 (greedy) or more, got -1.0": [str(gpt_run), "--temperature", "-1"],
-        "--top-k: expected a positive number": [str(gpt_run), "--top-k", "-3"],
+        "--temperature: expected a finite number, 0 (greedy) or more, got -1": [str(gpt_run), "--temperature", "-1"],
+        "--top-k: expected 0 (every token) or a positive number": [str(gpt_run), "--top-k", "-3"],
         "--checkpoint /no/such: no such checkpoint directory": [str(gpt_run), "--checkpoint", "/no/such"],
         "is not a run directory (no config.yaml)": [str(tmp_path)],
     }
@@ -154,6 +155,27 @@ def test_sample_a_hugging_face_run(capsys, tmp_path, spy):
     assert "(step 4)" in r.err
 
 
+def test_sample_finds_the_data_of_a_run_launched_from_another_directory(capsys, tmp_path, spy, monkeypatch):
+    """`trainer prepare` and `trainer fit` with relative paths in one directory, `trainer sample ../work/runs/mine`
+    from another: the run's relative data.path is read from the directory it was launched from (plan.json's cwd)."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(work)
+    (work / "src").mkdir()
+    for name in ("config.py", "sample.py", "codec.py", "data.py", "io.py", "console.py"):  # 2 of them go to val.bin
+        (work / "src" / name).write_text((ROOT / "trainer" / name).read_text())
+    prepare = ["prepare", "src", "--tokenizer", "bpe:300", "--out", "data", "--workers", "1", "--val-fraction", "0.3"]
+    assert main(prepare) == 0
+    _fit(Path("runs/mine"), "data.path=data", *GPT)
+    assert "  path: data\n" in (work / "runs/mine/config.yaml").read_text()  # as given: relative
+    assert json.loads((work / "runs/mine/plan.json").read_text())["cwd"] == str(work)
+    monkeypatch.chdir(elsewhere)
+    r = _sample(capsys, "../work/runs/mine", "--prompt", PROMPT, "--tokens", "5", "--temperature", "0")
+    assert r.code == 0, r.err
+    assert r.out.startswith(PROMPT) and all(0 <= i < 300 for i in spy[-1])
+
+
 def test_sample_a_prepared_directory_run(capsys, tmp_path, spy):
     """A directory as `trainer prepare` writes it (by hand here): its tokenizer.json encodes and decodes."""
     tokenizers = pytest.importorskip("tokenizers")
@@ -185,3 +207,28 @@ def test_sample_a_prepared_directory_run(capsys, tmp_path, spy):
     context = tok.encode(PROMPT).ids
     whole = tok.decode(context + kept)
     assert r.out == whole + "\n" and whole.startswith(PROMPT)
+
+
+def test_sample_passes_over_a_damaged_checkpoint(capsys, tmp_path):
+    """The newest checkpoint's model.pt cut to half its size: sample warns and reads the newest intact one, leaving
+    the damaged one in place (sample does not hold the run directory: a resume there moves it aside); the damaged
+    one named by --checkpoint exits 2 with why."""
+    run = _fit(tmp_path / "run", *GPT, "checkpoint.every=2")
+    root = run / "checkpoints"
+    damaged, intact = root / "step_000004", root / "step_000002"
+    size = (damaged / "model.pt").stat().st_size
+    with open(damaged / "model.pt", "r+b") as f:
+        f.truncate(size // 2)
+    cut = f"model.pt is {size // 2:,} bytes, its manifest says {size:,}"
+    r = _sample(capsys, run, "--tokens", "5")
+    assert r.code == 0, r.err
+    assert r.err.splitlines()[:2] == [
+        f"warning: checkpoint {damaged} is damaged ({cut}): using {intact}, the newest intact one (left in place; "
+        "resume=last or resume=auto in its run.dir moves it aside)",
+        f"sampling 5 tokens from {intact} (step 2)",
+    ], r.err
+    assert (root / "last").read_text() == "step_000004\n"
+    r = _sample(capsys, run, "--checkpoint", str(damaged))
+    assert r.code == 2 and "Traceback" not in r.err
+    beside = f"the newest intact one beside it is {intact}"
+    assert f"sample: --checkpoint {damaged}: checkpoint {damaged} is damaged ({cut}); {beside}\n" in r.err, r.err

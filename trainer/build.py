@@ -30,11 +30,12 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
     Under fsdp on several ranks (``env``) rank 0 builds it so and every other rank with its parameters on the meta
     device; :func:`shard` moves the shards to the device and fills them from rank 0's values.
 
-    Before it reaches the device, the model is checked against the data (:func:`check_fits_data`), which warns
-    of a vocabulary far larger than the data's.
+    Before it reaches the device, the model is checked for parameters to train (:func:`check_trainable`) and against
+    the data (:func:`check_fits_data`), which warns of a vocabulary far larger than the data's.
 
     Raises:
-        ValueError: the model cannot be built, or cannot take the data's sequences or token ids.
+        ValueError: the model cannot be built, has no trainable parameters, or cannot take the data's sequences or
+            token ids.
     """
     from trainer.distributed.fsdp import parameters_on_meta
 
@@ -61,8 +62,8 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
             console.warn(f"the model does not fit {device} whole to be initialized there; building it on the host")
             return build(False)
 
-    def ready(model: nn.Module) -> nn.Module:  # checked against the data, then fp8's layers
-        return _maybe_fp8(check_fits_data(model, cfg, vocab_size), plan)
+    def ready(model: nn.Module) -> nn.Module:  # something to train, checked against the data, then fp8's layers
+        return _maybe_fp8(check_fits_data(check_trainable(model, cfg), cfg, vocab_size), plan)
 
     if not fsdp:
         return ready(whole()).to(device)
@@ -125,20 +126,56 @@ def _maybe_fp8(model: nn.Module, plan: plan_rules.Plan) -> nn.Module:
     return model
 
 
-def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int) -> nn.Module:
-    """``model``, once one meta-device forward (:func:`trainer.models.fit_check.check_model_fits`) shows it takes
-    sequences of ``data.seq_len`` tokens with ids below ``vocab_size``. A model trained from scratch whose token
-    table is more than 4x the data's vocabulary gets one warning: its embedding and head are that
-    much larger (and slower) than the data can use.
+def model_source(cfg: Config) -> str:
+    """The config's model in words, by the key that names it: ``model.hf NAME``, ``model.target PATH`` or the
+    built-in GPT."""
+    m = cfg.model
+    return f"model.hf {m.hf}" if m.hf else f"model.target {m.target}" if m.target else "the built-in GPT"
+
+
+def check_trainable(model: nn.Module, cfg: Config) -> nn.Module:
+    """``model``, once it has a parameter to train: without one the first backward would stop with torch's
+    ``element 0 of tensors does not require grad`` (a loss computed from no parameter), or every step would update
+    nothing.
 
     Raises:
-        ValueError: a table shorter than the data needs, or the model's own refusal of the length (exit 2).
+        ValueError: no parameter, or none with ``requires_grad`` (exit 2).
+    """
+    params = list(model.parameters())
+    if any(p.requires_grad for p in params):
+        return model
+    if params:
+        n = sum(p.numel() for p in params)
+        what = f"its {len(params)} parameters ({n:,} values) all have" if len(params) > 1 else "its one parameter has"
+        what += " requires_grad=False"
+    else:
+        what = "it has no parameters"
+    raise _nothing_to_train(f"{model_source(cfg)} has no trainable parameters ({what})")
+
+
+def _nothing_to_train(problem: str) -> ValueError:
+    return ValueError(
+        f"{problem}: training would have nothing to update. Return a model whose forward(idx, targets) computes the "
+        "loss from parameters that require grad (nn.Parameter, nn.Linear, nn.Embedding; not frozen with "
+        "requires_grad_(False) or detach())"
+    )
+
+
+def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int) -> nn.Module:
+    """``model``, once one meta-device forward (:func:`trainer.models.fit_check.check_model_fits`) shows it takes
+    sequences of ``data.seq_len`` tokens with ids below ``vocab_size``, and returns a loss that trains a parameter. A
+    model trained from scratch whose token table is more than 4x the data's vocabulary gets one warning naming the
+    share of the model's parameters its embedding and head hold (:func:`vocabulary_parameters`).
+
+    Raises:
+        ValueError: a table shorter than the data needs, the model's own refusal of the length, or a loss that no
+            parameter requiring grad reaches (exit 2).
     """
     from trainer.models.fit_check import check_model_fits
 
     m = cfg.model
     fit = check_model_fits(model, cfg.data.seq_len, vocab_size)
-    source = f"model.hf {m.hf}" if m.hf else f"model.target {m.target}" if m.target else "the built-in GPT"
+    source = model_source(cfg)
     resize = "model.hf_overrides" if m.hf else "model.kwargs" if m.target else "model"
     if fit.problems:
         kinds = {kind for kind, _ in fit.problems}
@@ -153,30 +190,60 @@ def check_fits_data(model: nn.Module, cfg: Config, vocab_size: int) -> nn.Module
         )
         lines = "; ".join(line for _, line in fit.problems)
         raise ValueError(f"{source} does not fit the data: {lines}. To fix: {'; '.join(ways)}")
+    if fit.trains is False:
+        raise _nothing_to_train(
+            f"{source} has no trainable parameters in its loss (the loss its forward returns does not require grad: "
+            "a constant, or computed from frozen or detached tensors only)"
+        )
     rows = fit.token_table
     if rows is not None and rows > 4 * vocab_size and not (m.hf and m.pretrained):
+        grows, total = vocabulary_parameters(model, fit.token_table_name, rows)
+        share = (
+            f": its embedding and head hold {_params(grows)} of its {_params(total)} parameters ({grows / total:.0%}), "
+            f"where the data's vocabulary needs {_params(round(grows * vocab_size / rows))}. The head's matmul and "
+            "the optimizer's work and memory grow with them"
+            if grows and total
+            else ""
+        )
         console.warn(
-            f"{source} has a {rows:,}-token vocabulary for data of {vocab_size:,} tokens: its embedding and head "
-            f"are {rows / vocab_size:.0f}x larger than the data can use, and as much slower. "
+            f"{source} has a {rows:,}-token vocabulary for data of {vocab_size:,} tokens{share}. "
             f"Set {resize}.vocab_size={vocab_size} (or a multiple of 64 above it)"
         )
     return model
 
 
-def batches(cfg: Config, corpus, env):
-    """The sampler: this rank's slice of each step's global batch, drawn from ``(seed, step)``."""
+def vocabulary_parameters(model: nn.Module, table: str | None, rows: int) -> tuple[int, int]:
+    """``(parameters that grow with the vocabulary, all parameters)`` of ``model``: the token table (the parameter
+    named ``table``) and the LM head (the last ``nn.Linear`` with ``rows`` outputs, its bias too), once each where
+    the two are tied."""
+    params = dict(model.named_parameters())
+    grows = {id(params[table]): params[table].numel()} if table in params else {}
+    heads = [mod for mod in model.modules() if isinstance(mod, nn.Linear) and mod.out_features == rows]
+    for p in heads[-1].parameters(recurse=False) if heads else ():
+        grows[id(p)] = p.numel()
+    return sum(grows.values()), sum(p.numel() for p in model.parameters())
+
+
+def _params(n: int) -> str:
+    """A count of parameters: ``32.80M``, or ``65,536`` below 100K."""
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
+
+
+def batches(plan: plan_rules.Plan, corpus, env):
+    """The sampler: this rank's slice of each step's global batch (the plan's), drawn from ``(seed, step)``."""
     from trainer.data import Batches
 
-    t = cfg.train
+    cfg = plan.cfg
     return Batches(
         corpus,
         seq_len=cfg.data.seq_len,
-        micro_batch_size=t.micro_batch_size,
-        grad_accum=t.grad_accum,
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum=cfg.train.grad_accum,
         rank=env.rank,
-        world_size=env.world_size,
+        world_size=plan.strategy.dp_ranks,
         seed=cfg.seed,
         device=env.device,
+        global_batch=plan.global_batch,
     )
 
 
@@ -210,11 +277,14 @@ def eager_fallback(raw_model: nn.Module, plan: plan_rules.Plan, env, opt=None):
     return fallback
 
 
-def set_up_process(cfg: Config) -> None:
-    """What a run sets for its whole process: the seeds, and ``train.threads``."""
+def set_up_process(cfg: Config, device: torch.device) -> str | None:
+    """What a run sets for its whole process: the seeds, and torch's threads (``train.threads``; on the CPU without
+    it, the cores other work leaves idle: :func:`trainer.threads.set_threads`). Returns the startup line's part that
+    says how many threads and why (None off the CPU)."""
+    from trainer.threads import set_threads
+
     seed_everything(cfg.seed)
-    if cfg.train.threads is not None:
-        torch.set_num_threads(cfg.train.threads)
+    return set_threads(cfg.train.threads, device)
 
 
 def seed_everything(seed: int) -> None:

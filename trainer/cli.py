@@ -8,6 +8,7 @@ with no traceback (``TRAINER_DEBUG=1`` shows it). Everything else is a bug and k
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -47,6 +48,25 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USER_ERROR)
 
 
+def _number(cast: type, expected: str, *, least: float | None = None, above: float | None = None, below=None):
+    """An argparse ``type`` for a numeric flag: the argument as ``cast`` (int or float), refused (exit 2, saying
+    ``expected``) unless it is a finite number, at least ``least``, above ``above`` and below ``below`` where given.
+    Finite first: nan compares false with every bound, so a check such as ``x <= 0`` alone lets it through."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        inside = value is not None and math.isfinite(value)
+        inside = inside and (least is None or value >= least) and (above is None or value > above)
+        if not (inside and (below is None or value < below)):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="trainer",
@@ -70,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="run a few compiled steps and print the compile report")
     e.add_argument("config", help=CONFIG_HELP)
     e.add_argument("overrides", nargs="*", help=over)
-    e.add_argument("--steps", type=int, default=3, help="steps to run (default 3)")
+    steps = _number(int, "a positive whole number of steps", least=1)
+    e.add_argument("--steps", type=steps, default=3, help="steps to run (default 3)")
     e.add_argument("--dump-code", metavar="DIR", help="write the code Inductor generated, per graph, into DIR")
     e.add_argument("--verbose", action="store_true", help="also list the kernel patterns nearly matched, and why not")
     e.add_argument(
@@ -86,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("config", help=CONFIG_HELP)
     t.add_argument("overrides", nargs="*", help="key=value overrides, applied before the search")
-    t.add_argument("--budget-s", type=float, default=600.0, help="wall-clock seconds to spend (default 600)")
+    budget = _number(float, "a positive finite number of seconds", above=0)
+    t.add_argument("--budget-s", type=budget, default=600.0, help="wall-clock seconds to spend (default 600)")
     pl = sub.add_parser("plot", help="plot loss, tokens/s and lr of one or more runs to a PNG")
     pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (holding metrics.jsonl)")
     pl.add_argument("-o", "--out", help="PNG path (default: <first run>/plot.png)")
@@ -107,15 +129,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     pr.add_argument("--field", default="text", help="the text field of .jsonl, .parquet and datasets (default text)")
-    pr.add_argument("--val-fraction", type=float, default=0.05, help="documents held out for val.bin (default 0.05)")
-    pr.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: the CPU count)")
+    fraction = _number(float, "a number in [0, 1)", least=0, below=1)
+    pr.add_argument("--val-fraction", type=fraction, default=0.05, help="documents held out for val.bin (default 0.05)")
+    workers = _number(int, "a positive number of processes", least=1)
+    pr.add_argument("--workers", type=workers, default=None, help="tokenizer processes (default: the CPU count)")
     pr.add_argument("--force", action="store_true", help="replace DIR if it holds a prepared corpus")
     sa = sub.add_parser("sample", help="generate text from a run's last checkpoint")
     sa.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.yaml and checkpoints/)")
     sa.add_argument("--prompt", default="", help="text to continue (default: none, start from EOS / a newline)")
-    sa.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
-    sa.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
-    sa.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens (default 200)")
+    tokens = _number(int, "a positive number of tokens to generate", least=1)
+    sa.add_argument("--tokens", type=tokens, default=200, help="tokens to generate (default 200)")
+    temperature = _number(float, "a finite number, 0 (greedy) or more", least=0)
+    sa.add_argument(
+        "--temperature", type=temperature, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)"
+    )
+    top_k = _number(int, "0 (every token) or a positive number of tokens", least=0)
+    sa.add_argument("--top-k", type=top_k, default=200, help="sample from the k likeliest tokens (default 200)")
     sa.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     sa.add_argument("--checkpoint", default="last", help="last (default) or a checkpoint path")
     sa.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
@@ -153,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse's: --help (0), or a bad argument (2, said on stderr with the usage)
+        return e.code
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
 
@@ -223,8 +255,6 @@ def _run(args) -> int:
 
         if resume:
             raise ValueError("resume: not supported by tune")
-        if args.budget_s <= 0:
-            raise ValueError(f"--budget-s: expected a positive number of seconds, got {args.budget_s:g}")
         return tune(args.config, overrides, args.budget_s, shipped=find_config(given)[1])
     cfg = load_config(args.config, overrides)
     from trainer.loop import Trainer, TrainingError
@@ -264,12 +294,11 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     from trainer.config import load_config
     from trainer.loop import Trainer
 
-    if steps <= 0:
-        raise ValueError(f"--steps: expected a positive number, got {steps}")
     scratch = tempfile.mkdtemp(prefix="trainer-explain-")
     forced = [
         "compile.enabled=true",
         f"train.steps={steps}",
+        "schedule.warmup_steps=0",  # these few steps are not the run: the config's warm-up would outlast them
         "train.eval_every=0",
         "checkpoint.enabled=false",
         "log.progress=false",
@@ -314,20 +343,17 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
 
 def _export(run_dir: str, out_dir: str) -> int:
     """Rebuild a ``model.hf`` run's model from its config.yaml, load its last checkpoint (model.pt, or an fsdp
-    run's DCP shards read whole) and write it with ``save_pretrained``, the run's config.yaml beside it."""
+    run's DCP shards read whole) and write it with ``save_pretrained``, its special token ids those of the trained
+    vocabulary, the run's config.yaml beside it."""
     import shutil
     from pathlib import Path
 
     from trainer import checkpoint
-    from trainer.config import load_config
+    from trainer.sample import run_config
 
     run, out = Path(run_dir), Path(out_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"export: no such run directory: {run}")
+    cfg = run_config(run, "export")  # its data and model.hf found wherever the run was launched from
     config = run / "config.yaml"
-    if not config.is_file():
-        raise FileNotFoundError(f"export: {run} is not a run directory (no config.yaml)")
-    cfg = load_config(config)
     if cfg.model.hf is None:
         model = f"model.target {cfg.model.target}" if cfg.model.target else f"the built-in GPT ({cfg.model.preset})"
         raise ValueError(
@@ -342,7 +368,7 @@ def _export(run_dir: str, out_dir: str) -> int:
             f"export: no complete checkpoint in {run / 'checkpoints'} (the run saved none: checkpoint.enabled=false, "
             "or it stopped before its first save)"
         )
-    path = checkpoint.resolve("last", run)
+    path = checkpoint.resolve("last", run, asked="export")  # the newest intact one, with a warning past a damaged one
     from trainer.models.hf import build_hf_model, save_pretrained
 
     m = cfg.model
@@ -351,10 +377,26 @@ def _export(run_dir: str, out_dir: str) -> int:
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(f"export: rebuilding the model of {config}: {e}") from None
     meta = checkpoint.load_model_weights(path, model)
+    if said := _special_ids(model, cfg):
+        console.info(said)
     save_pretrained(model, out, source=m.hf)
     shutil.copy2(config, out / "trainer_config.yaml")
     console.info(f"exported {path} (step {meta.get('step')}) to {out}")
     return 0
+
+
+def _special_ids(model, cfg) -> str | None:
+    """Set the exported model's special token ids to the trained vocabulary's (:func:`fit_special_ids`)."""
+    from trainer.codec import data_eos
+    from trainer.data import data_vocab_size
+    from trainer.models.hf import fit_special_ids
+
+    data, eos_id = data_eos(cfg.data.path)
+    try:
+        vocab = data_vocab_size(cfg.data.path, cfg.data.vocab_size)
+    except (ValueError, FileNotFoundError):  # the data is gone: the model's vocabulary is what is known
+        data, vocab = "unknown", model.hf.config.vocab_size
+    return fit_special_ids(model, vocab, data, eos_id)
 
 
 def _print_summary(s: dict) -> None:

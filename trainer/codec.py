@@ -230,7 +230,7 @@ def _load_tiktoken(spec: str) -> Codec:
         import tiktoken
     except ImportError:
         raise ValueError(
-            f"tokenizer {spec}: needs the tiktoken package (pip install tiktoken, or pip install 'trainer[data]') "
+            f"tokenizer {spec}: needs the tiktoken package (pip install tiktoken, or pip install -e '.[data]') "
             f"and its encoding files, downloaded on first use; {hint}"
         ) from None
     known = tiktoken.list_encoding_names()
@@ -277,6 +277,22 @@ def codec_for_data(path: str | None) -> Codec:
     if p.is_file():
         return ByteCodec()
     return _prepared_codec(p)
+
+
+def data_eos(path: str | None) -> tuple[str, int | None]:
+    """What a run's ``data.path`` says of its special tokens, without loading its tokenizer: ``("bytes", None)``
+    for the embedded corpus and a text file (bytes have none), ``("prepared", eos_id)`` for data ``trainer
+    prepare`` wrote (meta.json's ``eos_id``; None where its tokenizer has no end-of-text token), ``("unknown",
+    None)`` for a token file without meta.json, or data that is no longer there."""
+    p = None if path is None else Path(path)
+    if p is None or (p.is_file() and p.suffix != ".bin"):
+        return "bytes", None
+    meta = (p if p.is_dir() else p.parent) / "meta.json"
+    try:
+        eos = json.loads(meta.read_text()).get("eos_id")
+    except (OSError, ValueError, AttributeError):  # none, unreadable, or not a JSON object
+        return "unknown", None
+    return "prepared", eos if isinstance(eos, int) else None
 
 
 def _prepared_codec(d: Path) -> Codec:

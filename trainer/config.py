@@ -25,6 +25,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer import console
 from trainer.schema import Config, ConfigError
 from trainer.shipped import find_config
 
@@ -156,16 +157,39 @@ def _load_yaml(path: Path) -> dict:
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """``'optim.lr=3e-4'`` -> ``('optim.lr', 3e-4)``; the value is parsed as YAML."""
+    """``'optim.lr=3e-4'`` -> ``('optim.lr', 3e-4)``; the value is parsed as YAML.
+
+    A value that is not valid YAML is the text as given for a key that takes text (a path with a colon), and a
+    :class:`ConfigError` otherwise, or where it opens a list, a mapping or a quote (``optim.betas=[0.9,0.95``).
+    """
     key, eq, raw = item.partition("=")
     key = key.strip()
     if not eq or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
         raise ConfigError(f"malformed override '{item}': expected key=value, e.g. optim.lr=3e-4")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        fld = _ALL.get(key, (None, False))[0]
+        known = fld is not None or any(key.startswith(o + ".") for o in _OPEN)  # else _check_key names the key
+        takes_text = fld is None or "str" in str(fld.type) or "Any" in str(fld.type)
+        if known and (raw.lstrip().startswith(("[", "{", '"', "'")) or not takes_text):
+            expected = f"; expected {_type_name(fld)}" if fld is not None else ""
+            raise ConfigError(
+                f"{key}: the value is not valid YAML ({_yaml_problem(raw, e)}) (in override '{item}'){expected}"
+            ) from None
         value = raw  # a plain string such as a path with a colon
     return key, value
+
+
+def _yaml_problem(raw: str, e: yaml.YAMLError) -> str:
+    """What is wrong with ``raw``: an unbalanced bracket or quote, else the YAML parser's own words."""
+    for opener, closer in (("[", "]"), ("{", "}")):
+        if raw.count(opener) != raw.count(closer):
+            return f"unbalanced '{opener if raw.count(opener) > raw.count(closer) else closer}'"
+    for quote in ('"', "'"):
+        if raw.count(quote) % 2:
+            return f"unclosed {quote}"
+    return getattr(e, "problem", None) or str(e).splitlines()[0]
 
 
 def _nest(key: str, value: Any) -> dict:
@@ -180,7 +204,7 @@ def _merge(cfg: DictConfig, data: dict, where: str) -> DictConfig:
     try:
         return OmegaConf.merge(cfg, OmegaConf.create(data))
     except OmegaConfBaseException as e:
-        raise _merge_error(e, where) from None
+        raise _merge_error(e, where, data) from None
     except (TypeError, ValueError) as e:  # OmegaConf's own, e.g. a list where a mapping goes: find the key
         for key in _leaf_keys(data):
             try:
@@ -199,21 +223,46 @@ def _lookup(data: dict, key: str) -> Any:
     return data
 
 
-def _merge_error(e: OmegaConfBaseException, where: str) -> ConfigError:
-    key = getattr(e, "full_key", None) or "?"
+def _merge_error(e: OmegaConfBaseException, where: str, data: dict | None = None) -> ConfigError:
+    """The error of a value that does not fit its key: the value as given (OmegaConf's words where it is not
+    known, or where an item of a list failed) and what the key takes."""
+    key = re.sub(r"(\[\d+\])+$", "", getattr(e, "full_key", None) or "")  # an item of a list: the list's key
+    if not key:  # a whole section set to a value: OmegaConf names no key; the one the data sets is it
+        leaves = list(_leaf_keys(data)) if data is not None else []
+        key = leaves[0] if len(leaves) == 1 else "?"
     msg = str(e).splitlines()[0]
     fld = _ALL.get(key, (None, False))[0]
+    if fld is not None and data is not None:
+        try:
+            msg = f"got {_shown(_lookup(data, key))}"
+        except (KeyError, TypeError):
+            pass  # set by an interpolation or a default: OmegaConf's message says what
     expected = f"; expected {_type_name(fld)}" if fld is not None else ""
     return ConfigError(f"{key}: {msg} (in {where}){expected}")
 
 
+def _shown(value: Any) -> str:
+    """A value as given: a string quoted, anything else as YAML writes it (``true``, ``[0.9, 0.95]``)."""
+    if isinstance(value, str):
+        return repr(value)
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def _type_name(f) -> str:
+    """What field ``f`` takes, in words: ``a list of numbers, e.g. [0.9, 0.95]``, ``an integer or null``."""
+    if "names" in f.metadata:
+        return f"auto, all, none or a list of {', '.join(f.metadata['names'])}"
+    if "choices" in f.metadata:
+        return "one of " + " | ".join(_yaml_value(c) for c in f.metadata["choices"])
     t = str(f.type).replace("typing.", "")
-    if t.startswith("dict"):
+    if t.startswith("dict") or _section_type(f) is not None:
         return "a mapping, e.g. {key: value}"
     if t.startswith("list"):
-        return "a list, e.g. [a, b]"
-    return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}.get(t, t)
+        items = {"float": "numbers", "int": "integers", "str": "strings"}.get(t[5:-1], "values")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        return f"a list of {items}, e.g. {_shown(default) if default else '[a, b]'}"
+    names = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "None": "null"}
+    return " or ".join(names.get(part.strip(), "a YAML value") for part in t.split("|"))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -231,6 +280,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         ConfigError: naming the key, its source and what was expected.
     """
     sources: list[tuple[str, dict]] = []
+    empty = None  # the config file, when it sets nothing
     if path is not None:
         try:
             path = find_config(path)[0]
@@ -238,6 +288,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(str(e)) from None
         where = str(path)
         data = _load_yaml(Path(path))
+        empty = where if not data else None
         for key in _leaf_keys(data):
             _check_key(key, where)
         sources.append((where, data))
@@ -251,6 +302,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 _check_key(sub, where)
         origin[key] = where
         sources.append((where, _nest(key, value)))
+    if empty:
+        _warn_empty(empty, set(origin))
 
     cfg: DictConfig = OmegaConf.structured(Config)
     for where, data in sources:
@@ -267,6 +320,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise _merge_error(e, str(path) if path else "defaults") from None
     validate(obj, origin, path)
     return obj
+
+
+def _warn_empty(path: str, overridden: set[str]) -> None:
+    """Say that the config file ``path`` sets nothing (no keys, or only comments), and what a run of it trains: the
+    defaults of the keys that matter most, those not in ``overridden``."""
+    d = Config()
+    shown = {
+        "train.steps": str(d.train.steps),
+        "model.preset": f"{d.model.preset} (the built-in GPT)",
+        "data.path": "null (the embedded corpus)",
+    }
+    which = "every key not overridden" if overridden else "every key"
+    defaults = ", ".join(f"{k}={v}" for k, v in shown.items() if k not in overridden)
+    console.warn(
+        f"{path} is empty: {which} takes its default ({defaults}, ...); trainer print-config {path} shows them all"
+    )
 
 
 def _with_origin(msg: str, origin: dict[str, str], path) -> str:

@@ -16,9 +16,10 @@ The prediction is a sum of parts:
 - **activations**: bytes per sequence for each checkpointing mode, measured. One short run of the model at one
   micro-batch (a *probe*: ``trainer explain --memory`` and ``trainer tune`` make them) gives a peak; what the
   counted parts do not explain, divided by the micro-batch, is the mode's bytes per sequence. With two or more
-  measured micro-batches of a mode, the line through the two largest also fits the constant the counted parts
-  miss (with checkpointing the peak comes in the backward, before every gradient exists). Under the graphed
-  step the activations live in the step's CUDA-graph pool: its peak is the measured one.
+  measured micro-batches of a mode, the line through the two largest also fits its intercept: where it meets
+  micro-batch 0, above or below the counted parts (with checkpointing the peak comes in the backward, before every
+  gradient exists). Under the graphed step the activations live in the step's CUDA-graph pool: its peak is the
+  measured one.
 
 On CUDA the probe's peak is ``torch.cuda.max_memory_allocated``; on CPU it is the peak of live tensor bytes during
 one step (:class:`LiveBytes`). A device's capacity is :data:`USABLE` of its memory: the rest holds the CUDA
@@ -217,7 +218,13 @@ class Estimate:
                 lines.append(f"  {mode:<10} not measured")
                 continue
             probes = sorted({p.micro_batch for p in self.points if p.mode == mode and p.peak is not None})
-            extra = f", constant {size(f[1], sign=True)}" if f[1] else ""
+            # The line's intercept is a parameter of the fit, not memory that is there: where the line through the
+            # two largest probes meets micro-batch 0, against the counted parts. It is below them where part of the
+            # counted memory is not live at the peak (with checkpointing the peak comes in the backward, before
+            # every gradient exists) or where the activations grow faster than linearly between the probes, and
+            # above them for memory the parts do not count. So it is said as where the line runs, never as a part.
+            side = "below" if f[1] < 0 else "above"
+            extra = f"; their line meets micro-batch 0 {size(abs(f[1]))} {side} the counted parts" if f[1] else ""
             fits = ""
             if self.capacity:
                 best = self.largest(mode, sizes)
@@ -227,15 +234,14 @@ class Estimate:
                     else "; no micro-batch fits"
                 )
             lines.append(
-                f"  {mode:<10} {size(f[0]):>9}{extra} (measured at micro-batch {', '.join(map(str, probes))}){fits}"
+                f"  {mode:<10} {size(f[0]):>9} (measured at micro-batch {', '.join(map(str, probes))}{extra}){fits}"
             )
         return "\n".join(lines)
 
 
-def size(b: float, sign: bool = False) -> str:
+def size(b: float) -> str:
     """Bytes in GB, or MB below 1 GB."""
-    s = "+" if sign else ""
-    return f"{b / GB:{s}.2f} GB" if abs(b) >= GB else f"{b / 1e6:{s}.1f} MB"
+    return f"{b / GB:.2f} GB" if abs(b) >= GB else f"{b / 1e6:.1f} MB"
 
 
 def memory_key(cfg: Config, world: int) -> str:
@@ -247,6 +253,7 @@ def memory_key(cfg: Config, world: int) -> str:
     for key in (
         "micro_batch_size",
         "grad_accum",
+        "global_batch_size",
         "activation_checkpointing",
         "steps",
         "stop_at",
@@ -367,7 +374,8 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
     )
     if peak <= est.capacity:
         return said
-    best = est.largest(mode, [x for x in range(1, b) if (b * t.grad_accum) % x == 0])
+    per_rank = t.global_batch_size // world if t.global_batch_size else b * t.grad_accum  # sequences per step
+    best = est.largest(mode, [x for x in range(1, b) if per_rank % x == 0])
     hint = f"; micro-batch {best} is predicted to fit" if best else ""
     return f"warning: {said}: it will likely run out of memory{hint} (trainer tune searches)"
 
@@ -399,6 +407,7 @@ def cpu_peak(cfg: Config, mode: str, micro_batch: int, vocab_size: int, parts: d
 
     cfg = copy.deepcopy(cfg)
     cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.activation_checkpointing = micro_batch, 1, mode
+    cfg.train.global_batch_size = None  # one micro-batch a step, whatever the run's global batch
     cfg.train.device = "cpu"
     p = plan.one_process(cfg, "cpu")
     env = DistEnv(rank=0, local_rank=0, world_size=1, device=p.device, backend=None)

@@ -138,7 +138,7 @@ class Metrics:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                msg = "log.tensorboard: needs the tensorboard package: pip install 'trainer[tensorboard]'"
+                msg = "log.tensorboard: needs the tensorboard package: pip install -e '.[tensorboard]'"
                 raise ValueError(msg) from None
             self._tb = SummaryWriter(str(run_dir / "tb"))
         if progress:

@@ -47,7 +47,7 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("trainer plot needs matplotlib: pip install 'trainer[plot]'") from None
+        raise ValueError("trainer plot needs matplotlib: pip install -e '.[plot]'") from None
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
     if not any(records for _, records in runs):
         raise ValueError(f"no metrics to plot in {', '.join(run_dirs)}")

@@ -62,16 +62,12 @@ def main(args) -> int:
     """Run ``trainer prepare`` with the parsed CLI arguments; returns the exit status.
 
     Raises:
-        ValueError, FileNotFoundError: a bad source, field, tokenizer, --val-fraction, --workers or --out.
+        ValueError, FileNotFoundError: a bad source, field, tokenizer or --out.
     """
     start = time.perf_counter()
     out = Path(os.path.abspath(args.out))
     _check_out(out, args.force)
-    if not 0 <= args.val_fraction < 1:
-        raise ValueError(f"--val-fraction: expected a number in [0, 1), got {args.val_fraction}")
-    workers = (os.cpu_count() or 1) if args.workers is None else args.workers
-    if workers < 1:
-        raise ValueError(f"--workers: expected a positive number, got {workers}")
+    workers = (os.cpu_count() or 1) if args.workers is None else args.workers  # the parser checked the flags' ranges
     bpe_size = parse_bpe(args.tokenizer)
     codec = None if bpe_size else _check_eos(load_tokenizer(args.tokenizer), args.tokenizer)
     sources = resolve_sources(args.sources, args.field, out)
@@ -211,7 +207,7 @@ def _parquet(path: Path):
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(
-            f"source {path}: reading .parquet needs pyarrow (pip install pyarrow, or pip install 'trainer[data]')"
+            f"source {path}: reading .parquet needs pyarrow (pip install pyarrow, or pip install -e '.[data]')"
         ) from None
     return pq.ParquetFile(path)
 
@@ -222,7 +218,7 @@ def _hf_part(spec: str, name: str, field: str) -> Part:
     except ImportError:
         raise ValueError(
             f"source {spec}: reading a Hugging Face dataset needs the datasets package (pip install datasets, or "
-            "pip install 'trainer[data]') and, for hf:NAME, the network"
+            "pip install -e '.[data]') and, for hf:NAME, the network"
         ) from None
     try:
         ds = datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, split="train")

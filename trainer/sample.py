@@ -14,6 +14,8 @@ stdout holds the prompt and its continuation, then a newline; stderr a one-line 
 from __future__ import annotations
 
 import contextlib
+import json
+import sys
 from pathlib import Path
 
 import torch
@@ -29,9 +31,8 @@ def main(args) -> int:
     Raises:
         ValueError, FileNotFoundError, CheckpointError: a user error (the CLI exits 2 with the message).
     """
-    _check_args(args)
     run = Path(args.run_dir)
-    cfg = _run_config(run)
+    cfg = run_config(run, "sample")
     codec = _run_codec(cfg, run)
     path = _checkpoint(args.checkpoint, run)
     device = resolve_device(args.device, 0, key="--device")
@@ -58,24 +59,51 @@ def main(args) -> int:
     return 0
 
 
-def _check_args(args) -> None:
-    if args.tokens <= 0:
-        raise ValueError(f"--tokens: expected a positive number of tokens to generate, got {args.tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature: expected 0 (greedy) or more, got {args.temperature}")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k: expected a positive number, or 0 for every token; got {args.top_k}")
+def run_config(run: Path, command: str):
+    """The config of the run in ``run`` (its ``config.yaml``), its relative paths read as the run read them.
 
+    A relative ``data.path`` or ``model.hf`` is relative to the directory the run was launched from, which the run's
+    ``plan.json`` records (``cwd``): each is read from there where it exists there, else as given (from the working
+    directory). A ``model.target`` module in that directory is imported from there. So ``trainer sample`` and
+    ``trainer export`` (``command``, for the messages) work from any directory.
 
-def _run_config(run: Path):
+    Raises:
+        FileNotFoundError: ``run`` is not a run directory.
+        ConfigError: its config.yaml does not load.
+    """
     from trainer.config import load_config
 
     if not run.is_dir():
-        raise FileNotFoundError(f"sample: no such run directory: {run}")
+        raise FileNotFoundError(f"{command}: no such run directory: {run}")
     config = run / "config.yaml"
     if not config.is_file():
-        raise FileNotFoundError(f"sample: {run} is not a run directory (no config.yaml); pass the run.dir of a run")
-    return load_config(config)
+        raise FileNotFoundError(f"{command}: {run} is not a run directory (no config.yaml); pass the run.dir of a run")
+    cfg = load_config(config)
+    launch = _launch_dir(run)
+    if launch is None:
+        return cfg
+    cfg.data.path = _from(launch, cfg.data.path)
+    cfg.model.hf = _from(launch, cfg.model.hf)
+    top = (cfg.model.target or "").partition(":")[0].partition(".")[0]
+    if top and ((launch / top).is_dir() or (launch / f"{top}.py").is_file()) and str(launch) not in sys.path:
+        sys.path.insert(0, str(launch))
+    return cfg
+
+
+def _launch_dir(run: Path) -> Path | None:
+    """The working directory the run in ``run`` was launched from (``cwd`` in its plan.json), if it still exists."""
+    try:
+        cwd = json.loads((run / "plan.json").read_text()).get("cwd")
+    except (OSError, ValueError, AttributeError):  # no plan.json, or not a JSON object
+        return None
+    return Path(cwd) if isinstance(cwd, str) and Path(cwd).is_dir() else None
+
+
+def _from(launch: Path, path: str | None) -> str | None:
+    """``path`` read from ``launch`` where it is relative and exists there; as given otherwise."""
+    if path is None or Path(path).expanduser().is_absolute() or not (launch / path).exists():
+        return path
+    return str(launch / path)
 
 
 def _run_codec(cfg, run: Path):
@@ -92,7 +120,8 @@ def _run_codec(cfg, run: Path):
 
 
 def _checkpoint(spec: str, run: Path) -> Path:
-    """The checkpoint directory ``--checkpoint`` names: ``last`` in ``run``, or a path."""
+    """The checkpoint directory ``--checkpoint`` names: ``last`` in ``run`` (or the newest intact one before it,
+    with a warning), or a path, refused if damaged (:func:`trainer.integrity.resolve`)."""
     if spec == "last" and not (run / "checkpoints" / checkpoint.LAST).is_file():
         raise checkpoint.CheckpointError(
             f"sample: no complete checkpoint in {run / 'checkpoints'} (the run saved none: checkpoint.enabled=false, "
@@ -101,7 +130,7 @@ def _checkpoint(spec: str, run: Path) -> Path:
         )
     if spec != "last" and not Path(spec).exists():
         raise checkpoint.CheckpointError(f"sample: --checkpoint {spec}: no such checkpoint directory")
-    return checkpoint.resolve(spec, run)
+    return checkpoint.resolve(spec, run, asked="sample" if spec == "last" else f"sample: --checkpoint {spec}")
 
 
 def _run_model(cfg, run: Path) -> nn.Module:

@@ -8,6 +8,7 @@ field metadata (``choices``, ``ge``, ``gt``, ``names``); cross-field checks live
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +30,40 @@ def _f(default: Any = dataclasses.MISSING, *, choices=None, ge=None, gt=None, fa
 @dataclass(kw_only=True)
 class RunConfig:
     name: str = "run"
-    """Run name; used in the default run directory and in plots."""
+    """Run name, one directory name (no / or \\); used in the default run directory and in plots."""
     dir: str = "runs/${run.name}"
-    """Run directory: resolved config.yaml, metrics.jsonl, checkpoints/, compile report."""
+    """Run directory (any path): resolved config.yaml, metrics.jsonl, checkpoints/, compile report."""
     overwrite: bool = False
     """A fresh run into a directory that holds a run: false refuses (exit 2; resume=last continues it); true moves
     the old run aside to <run.dir>.old-N (nothing is deleted) and starts afresh."""
+
+    def __post_init__(self):
+        if why := _not_a_directory_name(self.name):
+            raise ConfigError(
+                f"run.name: {_quoted(self.name)} is not a single directory name ({why}); run.name names the run "
+                "and, by default, its directory runs/<run.name>: to write the run elsewhere, set run.dir, which takes "
+                "any path"
+            )
+
+
+def _not_a_directory_name(name: str) -> str | None:
+    """Why ``name`` is not one path component a directory can be named (None if it is)."""
+    special = {"": "it is empty", ".": "'.' is the directory it stands in", "..": "'..' is the parent directory"}
+    if name in special:
+        return special[name]
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if found := sorted(c for c in separators if c in name):
+        return f"it holds {' and '.join(_quoted(c) for c in found)}, a path separator"
+    if "\0" in name:
+        return "it holds a NUL character"
+    if len(name.encode()) > 255:
+        return f"{len(name.encode())} bytes long; a file system allows 255"
+    return None
+
+
+def _quoted(text: str) -> str:
+    """``text`` in quotes as the user wrote it (a backslash not doubled); escaped where it holds unprintable bytes."""
+    return f"'{text}'" if text.isprintable() else repr(text)
 
 
 @dataclass(kw_only=True)
@@ -156,7 +185,11 @@ class TrainConfig:
     micro_batch_size: int = _f(8, gt=0)
     """Sequences per forward/backward on each rank."""
     grad_accum: int = _f(1, gt=0)
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step; derived (and this value replaced) when train.global_batch_size
+    is set."""
+    global_batch_size: int | None = _f(None, gt=0)
+    """Sequences per optimizer step over all ranks, the same on any number of GPUs: train.grad_accum becomes
+    global_batch_size / (micro_batch_size x data-parallel ranks); null: micro_batch_size x grad_accum x ranks."""
     precision: str = _f("auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"])
     """Autocast precision: auto = bf16 on GPU, fp32 on CPU; fp8 = bf16 autocast with float8 matmuls in the linear
     layers large enough to gain (torchao, pip install -e '.[fp8]'; a GPU with float8 tensor cores)."""
@@ -166,8 +199,10 @@ class TrainConfig:
     device: str = "auto"
     """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     threads: int | None = _f(None, gt=0)
-    """Threads for torch's CPU ops (torch.set_num_threads); null: torch's default. trainer tune searches it on a
-    CPU."""
+    """Threads for torch's CPU ops (torch.set_num_threads). null: on a CPU, OMP_NUM_THREADS if set, else the cores
+    this process may use less those other work keeps busy (the 1-minute load average, bounded by a sample of the
+    cores busy now), shared among torchrun's local ranks; on CUDA torch's default. The startup line says how many and
+    why. trainer tune searches it on a CPU."""
     eval_every: int = _f(0, ge=0)
     """Validation loss every N steps and at the end (0: only at the end)."""
     eval_batches: int = _f(8, gt=0)

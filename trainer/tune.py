@@ -37,6 +37,7 @@ from trainer.memory import (
     step_transient,
     work_dir,
 )
+from trainer.plan import derive_grad_accum
 from trainer.plot import read_metrics
 
 STEPS, LOG_EVERY = 8, 4  # a candidate's run: rows at 4 (compile; the graph's capture at the 4th step) and 8 (steady)
@@ -219,10 +220,14 @@ def checkpointing(mode: str) -> str:
     return f"train.activation_checkpointing={mode}"
 
 
-def batch_overrides(micro_batch: int, per_rank: int | None) -> list[str]:
+def batch_overrides(micro_batch: int, per_rank: int | None, derived: bool = False) -> list[str]:
     """The micro-batch, with train.grad_accum keeping ``per_rank`` sequences per rank and step (None: one
-    micro-batch a step)."""
-    return [f"train.micro_batch_size={micro_batch}", f"train.grad_accum={per_rank // micro_batch if per_rank else 1}"]
+    micro-batch a step). ``derived``: the config sets train.global_batch_size, from which the run derives
+    train.grad_accum itself (for one micro-batch a step, it is unset)."""
+    micro = f"train.micro_batch_size={micro_batch}"
+    if per_rank is None:
+        return [micro, "train.grad_accum=1", *(["train.global_batch_size=null"] if derived else [])]
+    return [micro] if derived else [micro, f"train.grad_accum={per_rank // micro_batch}"]
 
 
 class Session:
@@ -248,13 +253,17 @@ class Session:
         self.estimate = Estimate(parts, cfg.data.seq_len, transient=step_transient(model, cfg, self.world.size))
         if reuse:
             self.estimate.points = load_points(self.work / "measured.json", self.key)
-        self.per_rank = cfg.train.micro_batch_size * cfg.train.grad_accum
+        t = cfg.train
+        self.derived = t.global_batch_size is not None  # each candidate's run derives train.grad_accum from it
+        # The global batch over the ranks as the runs will split it (exit 2 where they cannot).
+        accum = derive_grad_accum(t.global_batch_size, t.micro_batch_size, self.world.size) if self.derived else None
+        self.per_rank = t.micro_batch_size * (accum or t.grad_accum)
         self.measured: list[Point] = []
         self.capability: str | None = None  # the GPU's, e.g. "9.0", from the first candidate's plan.json
 
     def measure(self, mode: str, micro_batch: int, extra: list[str] = ()) -> Point:
         """Run one candidate, record it (the estimate, ``measured.json``) and say how it went."""
-        overrides = [checkpointing(mode), *batch_overrides(micro_batch, self.per_rank), *extra]
+        overrides = [checkpointing(mode), *batch_overrides(micro_batch, self.per_rank, self.derived), *extra]
         predicted = self.estimate.peak(mode, micro_batch)
         n = len(self.measured) + 1
         if self.world.rank == 0:
@@ -419,27 +428,44 @@ def write_tuned(s: Session, best: Point, path: Path, command: str) -> None:
     """The config with the fastest candidate's overrides, and a comment giving the measurement."""
     from trainer.io import atomic_write_text
 
-    given = next((p for p in s.measured if p.status == "ok" and _as_given(p, s.cfg)), None)
+    given = next((p for p in s.measured if p.status == "ok" and _as_given(p, s)), None)
     vs = f"; the config as given: {_speed(given)}" if given else ""
-    cfg = load_config(s.config, [*s.overrides, *best.overrides])
+    cfg = _own_run(load_config(s.config, [*s.overrides, *best.overrides]))
     head = [
         f"# {command}",
         f"# The fastest of {len(s.measured)} settings measured in {s.elapsed:.0f} s: {_speed(best)}{vs}.",
-        f"# Overrides over {s.config}: {' '.join(best.overrides)}",
+        f"# Overrides over {s.config}: {' '.join(best.overrides)}; run.name and run.dir with -tuned added, so that "
+        "this config's run has a directory of its own",
         "",
     ]
     atomic_write_text(path, "\n".join(head) + to_yaml(cfg))
+    # The measurements travel with it: `trainer fit` predicts its peak from <run.dir>.tune/measured.json.
+    measured, beside = s.work / "measured.json", work_dir(cfg) / "measured.json"
+    if measured.is_file() and not beside.exists():
+        beside.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(measured, beside)
+
+
+def _own_run(cfg: Config) -> Config:
+    """``cfg`` with ``-tuned`` added to ``run.name`` and to the last part of ``run.dir``: the tuned config's run
+    starts in a directory of its own, not in the one that holds a run of the config as given."""
+    run_dir = Path(cfg.run.dir)
+    run_dir = run_dir if run_dir.name else run_dir.resolve()  # `.` has no last part to add to
+    cfg.run.name = f"{cfg.run.name}-tuned"
+    cfg.run.dir = str(run_dir.with_name(f"{run_dir.name}-tuned"))
+    return cfg
 
 
 def _speed(p: Point) -> str:
     return f"{p.tokens_per_s / 1e3:.1f}K tok/s" + (f", peak {p.peak / GB:.1f} GB" if p.peak else "")
 
 
-def _as_given(p: Point, cfg: Config) -> bool:
+def _as_given(p: Point, s: Session) -> bool:
+    t = s.cfg.train
     return (
-        p.mode == cfg.train.activation_checkpointing
-        and p.micro_batch == cfg.train.micro_batch_size
-        and len(p.overrides) == 3
+        p.mode == t.activation_checkpointing
+        and p.micro_batch == t.micro_batch_size
+        and len(p.overrides) == 1 + len(batch_overrides(p.micro_batch, s.per_rank, s.derived))
     )
 
 
@@ -449,15 +475,16 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
     world.join()
     quiet = (lambda *_: None) if world.rank else say
     s = Session(config, overrides, budget_s, reuse=True, say=quiet)
+    kept = "train.global_batch_size (train.grad_accum derived)" if s.derived else "train.grad_accum"
     quiet(
         f"tune: {config} on {world.size} rank{'s' if world.size > 1 else ''}, budget {budget_s:.0f} s; "
-        f"{s.per_rank} sequences per rank and step, kept through train.grad_accum (micro-batches: "
+        f"{s.per_rank} sequences per rank and step, kept through {kept} (micro-batches: "
         f"{', '.join(map(str, divisors(s.per_rank)))}); runs and measurements in {s.work}"
     )
     if s.per_rank == 1:
         quiet(
             "tune: the global batch is one sequence per rank: only the checkpointing mode is searched "
-            "(raise train.grad_accum to search larger micro-batches)"
+            f"(raise {_batch_key(s)} to search larger micro-batches)"
         )
     search(s)
     if world.size > 1:
@@ -488,9 +515,14 @@ def larger_batch_hint(s: Session, best: Point) -> str | None:
         return None
     return (
         f"tune: micro-batches up to {fits} are predicted to fit with train.activation_checkpointing={best.mode}, "
-        f"but the global batch holds {s.per_rank} sequences per rank and step; raise train.grad_accum to let tune "
+        f"but the global batch holds {s.per_rank} sequences per rank and step; raise {_batch_key(s)} to let tune "
         "try them (a larger global batch changes the training, not only its speed)"
     )
+
+
+def _batch_key(s: Session) -> str:
+    """The key that sets the global batch of the session's config."""
+    return "train.global_batch_size" if s.derived else "train.grad_accum"
 
 
 def explain_memory(config: str, overrides: list[str], say=console.info) -> int:

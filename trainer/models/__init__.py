@@ -106,11 +106,42 @@ def _build_user_model(target: str, kwargs: dict) -> nn.Module:
         raise ValueError(f"model.target: '{module_name}' has no callable '{attr}'")
     try:
         model = factory(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"model.kwargs: {target} rejected its arguments: {e}") from None
+    except torch.OutOfMemoryError:
+        raise  # the caller builds the model on the host instead (trainer.build.make_model)
+    except Exception as e:
+        if isinstance(e, TypeError) and e.__traceback__.tb_next is None:  # raised by the call itself: the arguments
+            raise ValueError(f"model.kwargs: {target} rejected its arguments: {e}") from None
+        what = f"{type(e).__name__}: {' '.join(str(e).split())}" if str(e).strip() else type(e).__name__
+        at = f"at {where}; " if (where := _raised_at(e)) else ""
+        raise ValueError(
+            f"model.target: the factory {target} raised {what} ({at}TRAINER_DEBUG=1 shows the traceback)"
+        ) from e
     if not isinstance(model, nn.Module):
         raise ValueError(f"model.target: {target} returned {type(model).__name__}, expected an nn.Module")
     return model
+
+
+def _raised_at(e: BaseException) -> str | None:
+    """``FILE:LINE`` of the innermost frame of ``e``'s traceback in the user's code: neither trainer's, nor Python's
+    or an installed package's (torch's own checks raise inside torch); the innermost frame where none is, None where
+    the factory has no Python frame (a builtin)."""
+    import sysconfig
+
+    trainer_dir = os.path.dirname(os.path.dirname(__file__))
+    dirs = [sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")] + [trainer_dir]
+    library = tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+    frames = [(tb.tb_frame.f_code.co_filename, tb.tb_lineno) for tb in _walk(e.__traceback__)][1:]  # not this call
+    users = [f for f in frames if not os.path.realpath(f[0]).startswith(library)]
+    if not (users or frames):
+        return None
+    file, line = (users or frames)[-1]
+    return f"{file}:{line}"
+
+
+def _walk(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
 
 
 def loss_of(output) -> torch.Tensor:

@@ -14,6 +14,10 @@ process): it is reported here as a user error naming the table, its size and the
 its length itself (nanoGPT's ``assert t <= block_size``) fails the meta forward with its own message, which is
 reported the same way.
 
+The forward runs with gradients recorded (on meta they cost nothing either), each parameter requiring grad as the
+model's does: a loss that does not require grad is one no parameter trains (a constant, or a model frozen in part
+through ``detach``), which the first backward would stop on with ``element 0 of tensors does not require grad``.
+
 A value the forward reads (``.item()``) is answered as one fresh sequence would answer it (see ``_ANSWER``). A model
 whose forward cannot run on the meta device at all (a CPU tensor kept as a plain attribute) fails even at length 1:
 then nothing is known and nothing is said.
@@ -78,12 +82,17 @@ class Fit:
     Attributes:
         checked: the forward ran (False: the model cannot run on the meta device; nothing is known).
         token_table: rows of the table the token ids index (the model's vocabulary), if one was seen.
+        token_table_name: that table's name among the model's parameters and buffers, if it is one of them.
+        trains: the loss the forward returned requires grad (a parameter trains through it); None where the forward
+            returned no tensor to tell.
         problems: ``(kind, line)`` each: a table shorter than the data needs (``tokens`` or ``positions``), or
             the model's own refusal of the length (``length``).
     """
 
     checked: bool = False
     token_table: int | None = None
+    token_table_name: str | None = None
+    trains: bool | None = None
     problems: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -143,20 +152,25 @@ class _FollowIndices(TorchDispatchMode):
             self.lookups.append((name, table.shape[dim], self.index[ix]))
 
 
-def _meta_forward(model: nn.Module, seq_len: int, vocab_size: int) -> _FollowIndices:
+def _meta_forward(model: nn.Module, seq_len: int, vocab_size: int) -> tuple[_FollowIndices, bool | None]:
     """Run ``model`` on one meta sequence of ``seq_len`` token ids (largest ``vocab_size - 1``), with its parameters
-    and buffers on meta; returns the mode that followed the indices. Raises what the forward raises."""
+    (requiring grad as the model's do) and buffers on meta; returns the mode that followed the indices and whether
+    the loss requires grad (None: the forward returned no tensor). Raises what the forward raises."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    meta = {name: torch.empty_like(t, device="meta") for name, t in {**params, **buffers}.items()}
+    meta = {
+        name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        for name, t in {**params, **buffers}.items()
+    }
     names = {id(t): name for name, t in meta.items()}
     idx = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     mode = _FollowIndices(names)
     mode.index[idx] = _Index(vocab_size - 1, "tokens")
-    with mode, torch.no_grad():
-        torch.func.functional_call(model, meta, (idx, targets), strict=False)
-    return mode
+    with mode, torch.enable_grad():
+        out = torch.func.functional_call(model, meta, (idx, targets), strict=False)
+    loss = out[-1] if isinstance(out, tuple | list) and out else out  # the contract: the loss, or a tuple ending in it
+    return mode, loss.requires_grad if isinstance(loss, torch.Tensor) else None
 
 
 def check_model_fits(model: nn.Module, seq_len: int, vocab_size: int) -> Fit:
@@ -168,14 +182,14 @@ def check_model_fits(model: nn.Module, seq_len: int, vocab_size: int) -> Fit:
         vocab_size: the data's vocabulary (its largest token id plus one).
 
     Returns:
-        A :class:`Fit`: the problems found (each a line naming the model's limit and the data's need), and the rows
-        of the table the token ids index.
+        A :class:`Fit`: the problems found (each a line naming the model's limit and the data's need), the rows of the
+        table the token ids index, and whether the loss trains a parameter.
     """
     was_training = model.training
     model.eval()  # no dropout masks to draw; the shapes are the same
     try:
         try:
-            mode = _meta_forward(model, seq_len, vocab_size)
+            mode, trains = _meta_forward(model, seq_len, vocab_size)
         except Exception as e:  # noqa: BLE001 - told apart below: the model's own limit, or no meta forward at all
             if seq_len == 1:
                 return Fit()
@@ -189,10 +203,10 @@ def check_model_fits(model: nn.Module, seq_len: int, vocab_size: int) -> Fit:
             return Fit(checked=True, problems=[("length", line)])
     finally:
         model.train(was_training)
-    fit = Fit(checked=True)
+    fit = Fit(checked=True, trains=trains)
     for name, rows, index in mode.lookups:
         if index.kind == "tokens" and fit.token_table is None:
-            fit.token_table = rows
+            fit.token_table, fit.token_table_name = rows, name
         if index.largest < rows:
             continue
         if index.kind == "tokens":

@@ -258,6 +258,51 @@ def _dtype_kwarg(transformers, dtype: torch.dtype) -> dict:
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def fit_special_ids(model: HFCausalLM, vocab_size: int, data: str, eos_id: int | None) -> str | None:
+    """Give ``model``'s config (and generation config) the special token ids of the data it was trained on, for an
+    export: a config from another tokenizer keeps its ids (Llama 3's bos 128000 and eos 128001) whatever vocabulary
+    ``model.hf_overrides`` gave the model. Returns the line that says what changed, None where nothing did.
+
+    Args:
+        vocab_size: the trained vocabulary (the data's); an id at or past it names no token the model learned.
+        data: ``bytes`` (no special tokens: every id None), ``prepared`` (``eos_id`` is its end-of-text token) or
+            ``unknown`` (ids the vocabulary holds are kept).
+        eos_id: the data's end-of-text id (``trainer prepare``'s meta.json), None where it has none.
+    """
+
+    def holds(value) -> bool:  # eos_token_id may be a list
+        values = value if isinstance(value, list) else [value]
+        return all(isinstance(v, int) and 0 <= v < vocab_size for v in values)
+
+    config = model.hf.config
+    old = {key: getattr(config, key, None) for key in SPECIAL_IDS}
+    new = {}
+    for key, value in old.items():
+        if data == "bytes":
+            new[key] = None
+        elif key == "eos_token_id" and eos_id is not None:
+            new[key] = eos_id
+        else:
+            new[key] = value if value is None or holds(value) else eos_id
+    changed = [f"{key} {old[key]} -> {new[key]}" for key in SPECIAL_IDS if new[key] != old[key]]
+    if not changed:
+        return None
+    generation = getattr(model.hf, "generation_config", None)
+    for key, value in new.items():
+        setattr(config, key, value)
+        if generation is not None:
+            setattr(generation, key, value)
+    why = {
+        "bytes": "the data is bytes, which have no special tokens",
+        "prepared": f"the data's end-of-text token is {eos_id}" if eos_id is not None else "the data has none",
+        "unknown": "the data's special tokens are not known: a token file without meta.json, or no data at data.path",
+    }[data]
+    return f"export: special token ids of the trained {vocab_size}-token vocabulary ({why}): {', '.join(changed)}"
+
+
 def save_pretrained(model: HFCausalLM, out_dir: str | Path, source: str | None = None) -> Path:
     """Write ``model`` as a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads (the
     weights without the adapter's ``hf.`` prefix, and config.json); with ``source`` a local directory, its tokenizer
