@@ -252,8 +252,10 @@ def run_ours(a, job: dict) -> dict:
         *job["spec"]["overrides"],
     ])  # fmt: skip
     s = Trainer(cfg).fit()
+    # batch is sequences per data-parallel rank; a tensor- or context-parallel group of tp x cp GPUs shares them.
+    per_gpu = job["batch"] * cfg.data.seq_len / (cfg.distributed.tp * cfg.distributed.cp)
     return {
-        "tokens_per_s_per_gpu": job["batch"] * cfg.data.seq_len / s["median_step_s"],
+        "tokens_per_s_per_gpu": per_gpu / s["median_step_s"],
         "step_ms": s["median_step_s"] * 1e3,
         "first_step_s": s["first_step_s"],
         "peak_mem_gb": s.get("peak_mem_gb"),

@@ -93,7 +93,7 @@ def test_fsdp_keeps_the_forwards_last_units_gathered_into_the_backward():
                    keep_gathered=keep)  # fmt: skip
         x = torch.randint(0, 64, (2, 16))
         model(x, x)
-        return [not isinstance(u[0].attn.c_attn.weight, DTensor) for u in units]
+        return [not isinstance(u[0].attn.c_qkv.weight, DTensor) for u in units]
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process: no port
     try:

@@ -82,11 +82,22 @@ def test_a_checkpoint_of_the_kept_format_loads(tmp_path, capsys):
     assert f"resumed from {FIXTURE} at step 3" in capsys.readouterr().out
     train = states["train"]
     assert (train.step, train.tokens_seen) == (3, 3 * 2 * 8)  # steps x sequences x tokens per sequence
-    _assert_same(model.state_dict(), saved_model, "model")
+    _assert_same(model.state_dict(), _head_major(saved_model, model.cfg.n_head), "model")
     _assert_same(opt.state_dict(), saved_optim["optimizer"], "optimizer")
     assert opt.state_dict()["state"][0]["step"] == 3
     assert sched.last_epoch == 3 and sched.state_dict()["_last_lr"] == saved_optim["scheduler"]["_last_lr"]
     _assert_same(RNGState(ENV.device).state_dict(), torch.load(FIXTURE / "rng_rank0.pt", weights_only=True), "rng")
+
+
+def _head_major(state: dict, n_head: int) -> dict:
+    """The kept checkpoint's model (nanoGPT's ``c_attn``: every query row, then every key, then every value) as the
+    built-in GPT holds it (``c_qkv``: head by head, each one's query, key and value rows)."""
+    out = {}
+    for name, t in state.items():
+        if ".c_attn." in name:
+            name, t = name.replace(".c_attn.", ".c_qkv."), t.view(3, n_head, -1, *t.shape[1:]).transpose(0, 1)
+        out[name] = t.reshape(state[name.replace(".c_qkv.", ".c_attn.")].shape) if ".c_qkv." in name else t
+    return out
 
 
 def test_states_round_trip(tmp_path, capsys):

@@ -108,10 +108,10 @@ def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_st
     for name in ("auto", "math"):
         torch.manual_seed(0)
         model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16, attention=name)
-        assert model.transformer.h[0].attn.backend == sdpa_backend(name)  # the choice reached the attention
+        assert model.transformer.h[0].attn.sdpa.backend == sdpa_backend(name)  # the choice reached the attention
         loss = model(idx, idx)
         loss.backward()
-        outs[name] = (loss.detach(), model.transformer.h[0].attn.c_attn.weight.grad)
+        outs[name] = (loss.detach(), model.transformer.h[0].attn.c_qkv.weight.grad)
     assert torch.allclose(outs["auto"][0], outs["math"][0], atol=1e-6)
     assert torch.allclose(outs["auto"][1], outs["math"][1], atol=1e-6)
 
@@ -136,4 +136,35 @@ def test_the_trainer_builds_the_gpt_with_the_configured_attention(tmp_path):
                              "checkpoint.enabled=false", "train.eval_batches=1"])  # fmt: skip
     trainer = Trainer(cfg)
     trainer.fit()
-    assert trainer.raw_model.transformer.h[0].attn.backend == sdpa_backend("math")
+    assert trainer.raw_model.transformer.h[0].attn.sdpa.backend == sdpa_backend("math")
+
+
+def test_a_nanogpt_layout_state_dict_computes_the_same_model():
+    """The attention's projection is head-major (``c_qkv``, so tensor parallel can split it by heads); a state dict
+    of nanoGPT's layout (``c_attn``: every query, then every key, then every value) loads into it as the same
+    function. The reference is nanoGPT's attention written out here, on the loaded weights in their old layout."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    src = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=4, n_embd=32)
+    old = {}
+    for name, t in src.state_dict().items():  # head-major -> nanoGPT's q | k | v rows
+        if ".c_qkv." in name:
+            name, t = (
+                name.replace(".c_qkv.", ".c_attn."),
+                t.view(4, 3, 8, *t.shape[1:]).transpose(0, 1).reshape(t.shape),
+            )
+        old[name] = t
+    model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=4, n_embd=32)
+    model.load_state_dict(old)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    h = model.transformer.wte(x) + model.transformer.wpe(torch.arange(16))
+    attn = model.transformer.h[0].attn
+    q, k, v = F.linear(model.transformer.h[0].ln_1(h), old["transformer.h.0.attn.c_attn.weight"],
+                       old["transformer.h.0.attn.c_attn.bias"]).split(32, dim=2)  # fmt: skip
+    q, k, v = (t.view(2, 16, 4, 8).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+    want = attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 16, 32))
+    with torch.no_grad():
+        got = attn(model.transformer.h[0].ln_1(h))
+        assert torch.allclose(got, want.detach(), rtol=0, atol=1e-6)  # observed: equal (the same ops on each head)
+        assert torch.equal(model(x), src(x))  # and the whole model is the one the state dict came from

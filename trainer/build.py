@@ -230,8 +230,10 @@ def _params(n: int) -> str:
 
 
 def batches(plan: plan_rules.Plan, corpus, env):
-    """The sampler: this rank's slice of each step's global batch (the plan's), drawn from ``(seed, step)``."""
+    """The sampler: this rank's slice of each step's global batch (the plan's), drawn from ``(seed, step)``: its
+    data-parallel index's (the ranks of one tensor- or context-parallel group read the same sequences)."""
     from trainer.data import Batches
+    from trainer.distributed.cp import context_positions
 
     cfg = plan.cfg
     return Batches(
@@ -239,7 +241,8 @@ def batches(plan: plan_rules.Plan, corpus, env):
         seq_len=cfg.data.seq_len,
         micro_batch_size=cfg.train.micro_batch_size,
         grad_accum=cfg.train.grad_accum,
-        rank=env.rank,
+        rank=plan.strategy.mesh.dp_rank(env.rank) if plan.strategy.world > 1 else 0,
+        positions=context_positions(plan.strategy.mesh, env.rank, cfg.data.seq_len),
         world_size=plan.strategy.dp_ranks,
         seed=cfg.seed,
         device=env.device,
@@ -509,15 +512,22 @@ def wrap(
 
 
 def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
-    """FSDP2: compile each block (its forward, so FSDP's hooks stay outside the graph), then shard; every rank's
-    shards are then rank 0's values (``model`` as :func:`make_model` built it under fsdp)."""
+    """FSDP2 on the plan's mesh (HSDP with ``distributed.replicate``), after tensor parallel where ``distributed.tp``
+    asks for it (torchtitan's order: tensor parallel, activation checkpointing, compile each block, then FSDP):
+    compile each block (its forward, so FSDP's hooks stay outside the graph), then shard; every rank's shards are
+    then rank 0's values (``model`` as :func:`make_model` built it under fsdp).
+
+    Raises:
+        ConfigError: a tensor-parallel layout the model cannot take (:mod:`trainer.distributed.tp`)."""
     import dataclasses
 
     from trainer.distributed.fsdp import DTYPES, apply_fsdp, describe_units, full_state, materialize_from_rank0
 
     cfg = plan.cfg
     c, d = cfg.compile, cfg.distributed
+    mesh = plan.with_device_mesh().strategy.mesh  # built once by the run (trainer.loop); here for a caller alone
     full = full_state(model) if env.rank == 0 else None  # rank 0 built it whole (make_model), the others on meta
+    _apply_tp_and_cp(model, mesh)
     with console.quiet():  # inside the compiled forward and FSDP's hooks; wrap() says so
         checkpoint_activations(model, cfg)
     if c.enabled:
@@ -540,8 +550,30 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
         reduce_dtype=DTYPES[plan.reduce_dtype],
         reshard_after_forward=d.reshard_after_forward,
         keep_gathered=d.keep_gathered,
+        mesh=mesh.fsdp_mesh(),
     )
     materialize_from_rank0(model, full, env.device)
+
+
+def _apply_tp_and_cp(model: nn.Module, mesh) -> None:
+    """Tensor parallel and context parallel on ``model`` as the mesh asks (:mod:`trainer.distributed.tp`,
+    :mod:`trainer.distributed.cp`), each said in one line.
+
+    Raises:
+        ConfigError: a layout the model cannot take."""
+    from trainer.distributed.mesh import LayoutError
+
+    try:
+        if mesh.tp > 1:
+            from trainer.distributed.tp import apply_tp
+
+            console.info(apply_tp(model, mesh.tp_mesh()))
+        if mesh.cp > 1:
+            from trainer.distributed.cp import apply_cp
+
+            console.info(apply_cp(model, mesh.cp_mesh()))
+    except LayoutError as e:  # the model's shape, a user error: exit 2
+        raise ConfigError(str(e)) from None
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

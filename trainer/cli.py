@@ -318,6 +318,9 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     console.info("plan: what each auto became (the run directory's plan.json)" if plan["choices"] else "plan: no auto")
     for line in plan["choices"]:
         console.info(f"  {line}")
+    from trainer.describe import mesh_report
+
+    console.info(mesh_report(plan["mesh"]))
     strategy = cfg.distributed.strategy
     if strategy in ("ddp", "fsdp") and "WORLD_SIZE" not in os.environ:
         console.info(

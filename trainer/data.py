@@ -301,6 +301,9 @@ class Batches:
         device: where batches go.
         global_batch: sequences per step over all ranks (the plan's, :attr:`trainer.plan.Plan.global_batch`); it
             must be ``micro_batch_size x grad_accum x world_size``. None: that product.
+        positions: under context parallel, the positions of each sequence this rank holds
+            (:func:`trainer.distributed.cp.positions_of`); its batches are then ``(x, y, positions)`` of those
+            tokens alone, positions (B, len(positions)). None: whole sequences, ``(x, y)``.
     """
 
     def __init__(
@@ -315,6 +318,7 @@ class Batches:
         seed,
         device,
         global_batch=None,
+        positions: np.ndarray | None = None,
     ):
         self.corpus, self.T, self.B, self.accum = corpus, seq_len, micro_batch_size, grad_accum
         self.rank, self.world, self.seed, self.device = rank, world_size, seed, torch.device(device)
@@ -325,6 +329,7 @@ class Batches:
         )
         self._pin = self.device.type == "cuda"
         self._arange = np.arange(seq_len + 1)
+        self._positions = None if positions is None else torch.as_tensor(positions, dtype=torch.int64)
 
     def _offsets(self, split: str, index: int, count: int) -> np.ndarray:
         data = self.corpus.train if split == "train" else self.corpus.val
@@ -332,14 +337,16 @@ class Batches:
         rng = np.random.default_rng([self.seed, tag, index])
         return rng.integers(0, len(data) - self.T - 1, size=count)
 
-    def _windows(self, split: str, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, split: str, offsets: np.ndarray) -> tuple[torch.Tensor, ...]:
         data = self.corpus.train if split == "train" else self.corpus.val
         rows = torch.from_numpy(data[offsets[:, None] + self._arange].astype(np.int64))  # (B, T+1)
-        xy = torch.stack([rows[:, :-1], rows[:, 1:]])  # (2, B, T), contiguous: one host-to-device copy
+        parts = [rows[:, :-1], rows[:, 1:]]
+        if self._positions is not None:  # context parallel: this rank's tokens of each sequence, and where they are
+            parts = [p[:, self._positions] for p in parts] + [self._positions.expand(len(rows), -1)]
+        xy = torch.stack(parts)  # (2 or 3, B, T), contiguous: one host-to-device copy
         if self._pin:
             xy = xy.pin_memory()
-        x, y = xy.to(self.device, non_blocking=True).unbind(0)
-        return x, y
+        return tuple(xy.to(self.device, non_blocking=True).unbind(0))
 
     def train_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch ``micro`` of optimizer step ``step`` for this rank: ``(x, y)``, each (B, T)."""

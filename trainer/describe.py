@@ -67,6 +67,27 @@ def describe_run(
     )
 
 
+def mesh_report(doc: dict) -> str:
+    """``trainer explain``'s view of the mesh from ``plan.json``'s ``mesh``: each dimension's size, rank 0's
+    coordinates, and the groups of ranks along each dimension larger than 1 (each a process group)."""
+    from trainer.distributed.mesh import DIMS, Mesh
+
+    mesh = Mesh(**doc["sizes"])
+    at = ", ".join(f"{d} {doc['coordinate'][d]}" for d in DIMS)
+    lines = [f"mesh: {mesh} = {mesh.world} rank(s); rank 0 at ({at})"]
+    for name in DIMS:
+        if getattr(mesh, name) > 1:
+            groups = mesh.groups(name)
+            shown = " ".join(str(g) for g in groups[:4]) + (f" ... ({len(groups)} groups)" if len(groups) > 4 else "")
+            lines.append(f"  {name:<9} groups: {shown}")
+    if mesh.world > 1:
+        lines.append(
+            f"  the global batch is split over replicate x shard = {mesh.dp} data-parallel rank(s); FSDP shards over "
+            f"shard x cp = {mesh.fsdp_ranks}" + (f", replicated {mesh.replicate}x (HSDP)" if mesh.replicate > 1 else "")
+        )
+    return "\n".join(lines)
+
+
 def say_startup(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_step: int, opt, threads: str | None):
     """Say what the run trains and how (:func:`describe_run`, :func:`describe_path`), how a resume kept or changed
     the global batch, and a warm-up longer than the run (rank 0)."""

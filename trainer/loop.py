@@ -57,8 +57,8 @@ class Trainer:
             dist_env.teardown(env, failed=sys.exc_info()[0] is not None)  # an exception on its way out
 
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
-        # Every auto, once: the compile switches the fastest path here; a resume keeps its checkpoint's global batch.
-        resolved = plan.resolve(self.cfg, env, plan.SavedBatch.read(start.resume))
+        # Every auto, once, and the mesh built: a resume keeps its checkpoint's global batch.
+        resolved = plan.resolve(self.cfg, env, plan.SavedBatch.read(start.resume)).with_device_mesh()
         cfg, run_dir = resolved.cfg, Path(resolved.cfg.run.dir)
         threads = build.set_up_process(cfg, env.device)  # the seeds, torch's threads
         # The data, the model (checked against the data) and its layout, the optimizer; a resume's state.

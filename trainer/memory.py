@@ -61,18 +61,19 @@ def static_parts(
 ) -> dict[str, tuple[float, str]]:
     """Bytes per rank of what does not scale with the micro-batch, by part, each with how it was counted."""
     from trainer.distributed.fsdp import block_units, kept_units
-    from trainer.plan import Strategy
 
-    strategy = Strategy(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
+    strategy = _strategy(cfg, world)
+    mesh = strategy.mesh
     params = [p for p in model.parameters() if p.requires_grad]
-    n = sum(p.numel() for p in params)
-    stored = sum(p.numel() * p.element_size() for p in params)
-    shard = world if strategy.fsdp else 1
+    split = _tp_split(model, mesh.tp)  # tensor parallel: the split linears' parameters hold 1/tp on each rank
+    n = sum(p.numel() / (mesh.tp if id(p) in split else 1) for p in params)
+    stored = sum(p.numel() * p.element_size() / (mesh.tp if id(p) in split else 1) for p in params)
+    shard = mesh.fsdp_ranks if strategy.fsdp else 1  # FSDP shards over shard x cp; replicate holds copies (HSDP)
     states = OPTIMIZER_STATES.get(cfg.optim.name, 1 if cfg.optim.momentum > 0 else 0)
-    state_shard = world if strategy.fsdp or strategy.zero else 1
-    on = f" / {shard} ranks" if shard > 1 else ""
+    state_shard = shard if strategy.fsdp else world if strategy.zero else 1
+    on = (f", the split linears / tp {mesh.tp}" if split else "") + (f" / {shard} ranks" if shard > 1 else "")
     parts = {
-        "parameters": (stored / shard, f"{_count(n)}, {_dtype_name(params)}{on}"),
+        "parameters": (stored / shard, f"{_count(int(n))}, {_dtype_name(params)}{on}"),
         "gradients": (stored / shard, f"as the parameters{on}"),
         "optimizer state": (
             n * 4 * states / state_shard,
@@ -107,18 +108,42 @@ def static_parts(
     return parts
 
 
+def _strategy(cfg: Config, world: int):
+    """The strategy and mesh ``cfg`` resolves to on ``world`` ranks (:class:`trainer.plan.Strategy`)."""
+    from types import SimpleNamespace
+
+    from trainer.plan import Strategy
+
+    return Strategy.of(cfg, SimpleNamespace(world_size=world, distributed=world > 1))
+
+
+def _tp_split(model: nn.Module, tp: int) -> set[int]:
+    """The ids of the parameters tensor parallel splits over ``tp`` ranks (its plan's linears); none for tp 1 or a
+    model without a plan."""
+    if tp == 1:
+        return set()
+    from trainer.distributed.mesh import LayoutError
+    from trainer.distributed.tp import model_plan, module_matches
+
+    try:
+        plan, _ = model_plan(model)
+    except LayoutError:
+        return set()
+    return {id(p) for name, m in model.named_modules() if module_matches(plan, name) for p in m.parameters()}
+
+
 def step_transient(model: nn.Module, cfg: Config, world: int = 1, device_type: str = "cuda") -> tuple[float, str]:
     """The optimizer step's own temporaries: torch's ``foreach`` AdamW/Adam keeps one fp32 tensor per parameter
     (its denominators) while it runs; ``fused`` and the Triton optimizer none to count. The step runs after the
     backward has freed the activations: the peak is the larger of the two."""
     from trainer import plan
 
-    strategy = plan.Strategy(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
+    strategy = _strategy(cfg, world)
     device = torch.device(device_type)
     impl, _ = plan.optim_impl(cfg, device, strategy, plan.precision(cfg.train.precision, device))
     if impl != "foreach" or cfg.optim.name not in OPTIMIZER_STATES:
         return 0.0, f"{impl}: none counted"
-    shard = world if strategy.fsdp or strategy.zero else 1
+    shard = strategy.mesh.fsdp_ranks * strategy.mesh.tp if strategy.fsdp else world if strategy.zero else 1
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return n * 4 / shard, "foreach: one fp32 temporary per parameter"
 
@@ -374,7 +399,8 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
     )
     if peak <= est.capacity:
         return said
-    per_rank = t.global_batch_size // world if t.global_batch_size else b * t.grad_accum  # sequences per step
+    dp = _strategy(cfg, world).dp_ranks
+    per_rank = t.global_batch_size // dp if t.global_batch_size else b * t.grad_accum  # sequences per step
     best = est.largest(mode, [x for x in range(1, b) if per_rank % x == 0])
     hint = f"; micro-batch {best} is predicted to fit" if best else ""
     return f"warning: {said}: it will likely run out of memory{hint} (trainer tune searches)"

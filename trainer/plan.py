@@ -22,6 +22,7 @@ import torch
 
 from trainer import console
 from trainer.config import Config, ConfigError
+from trainer.distributed.mesh import Mesh
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 DTYPE_NAMES = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -29,12 +30,14 @@ DTYPE_NAMES = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torc
 
 @dataclass(frozen=True)
 class Strategy:
-    """Data parallelism as it runs: the configured ``distributed.strategy`` on ``world`` ranks (a small value
-    object, as torchtitan's ``ParallelDims``). With one rank every strategy runs as ``none``."""
+    """Parallelism as it runs: the configured ``distributed.strategy`` on ``world`` ranks, laid out on ``mesh``
+    (:class:`trainer.distributed.mesh.Mesh`: replicate x shard x cp x tp; a small value object, as torchtitan's
+    ``ParallelDims``). With one rank every strategy runs as ``none``."""
 
     name: str  # none, ddp or fsdp, as configured
     world: int
     shard_optimizer: bool = False
+    mesh: Mesh = field(default_factory=Mesh)
 
     @property
     def ddp(self) -> bool:
@@ -43,7 +46,7 @@ class Strategy:
 
     @property
     def fsdp(self) -> bool:
-        """Parameters, gradients and optimizer states sharded by FSDP2."""
+        """Parameters, gradients and optimizer states sharded by FSDP2 (on the mesh: HSDP, with tp and cp)."""
         return self.name == "fsdp" and self.world > 1
 
     @property
@@ -53,20 +56,46 @@ class Strategy:
 
     @property
     def dp_ranks(self) -> int:
-        """The data-parallel ranks: those that split the global batch (ddp and fsdp are both data parallel, so
-        every rank; a mesh with tensor or context parallel dimensions counts its replicate x shard ranks here)."""
-        return self.world
+        """The data-parallel ranks: those that split the global batch, the mesh's replicate x shard (the ranks of
+        one tensor- or context-parallel group read the same sequences)."""
+        return self.mesh.dp
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.cp
 
     @classmethod
     def of(cls, cfg: Config, env=None) -> Strategy:
-        """The strategy ``cfg`` asks for on ``env``'s ranks (:class:`trainer.distributed.env.DistEnv`; None: one)."""
+        """The strategy ``cfg`` asks for on ``env``'s ranks (:class:`trainer.distributed.env.DistEnv`; None: one).
+
+        Raises:
+            ConfigError: a mesh that cannot be laid out on these ranks (:func:`trainer.distributed.mesh.resolve`).
+        """
+        return cls.with_notes(cfg, env)[0]
+
+    @classmethod
+    def with_notes(cls, cfg: Config, env=None) -> tuple[Strategy, list[str]]:
+        """:meth:`of`, and the notes its mesh gives (keys that have no effect in one process)."""
+        from trainer.distributed import mesh as meshes
+
         world = env.world_size if env is not None and env.distributed else 1
-        return cls(cfg.distributed.strategy, world, cfg.distributed.shard_optimizer)
+        d = cfg.distributed
+        try:
+            mesh, notes = meshes.resolve(d.strategy, replicate=d.replicate, shard=d.shard, cp=d.cp, tp=d.tp,
+                                         world=world)  # fmt: skip
+        except meshes.LayoutError as e:
+            raise ConfigError(str(e)) from None
+        return cls(d.strategy, world, d.shard_optimizer, mesh), notes
 
     def __str__(self) -> str:
         if self.world == 1:
             return "one process"
-        return f"{self.name} over {self.world} ranks" + (", optimizer state sharded" if self.zero else "")
+        layout = f" ({self.mesh})" if self.fsdp and self.mesh.shard != self.world else ""
+        return f"{self.name} over {self.world} ranks{layout}" + (", optimizer state sharded" if self.zero else "")
 
 
 @dataclass(frozen=True)
@@ -151,6 +180,7 @@ class Plan:
         choices: one line per ``auto`` (and per derived value): what it became and why.
         device_memory: the device's memory in bytes (CUDA), None elsewhere.
         capability: the CUDA device's compute capability, e.g. ``(9, 0)``; None elsewhere.
+        rank: this process's rank (its place on the mesh).
         layout: once :meth:`placed` on the model: the bucket plan (ddp, a
             :class:`~trainer.distributed.buckets.BucketPlan`) or the FSDP units (fsdp, lists of modules); else None.
         units: the layout's units by name, for ``plan.json``: each bucket's or FSDP unit's modules.
@@ -171,6 +201,7 @@ class Plan:
     choices: tuple[str, ...] = field(default=())
     device_memory: int | None = None
     capability: tuple[int, int] | None = None
+    rank: int = 0
     layout: object | None = field(default=None, compare=False, repr=False)
     units: tuple[tuple[str, ...], ...] = ()
 
@@ -183,6 +214,14 @@ class Plan:
     def global_batch(self) -> int:
         """Sequences per optimizer step over all data-parallel ranks."""
         return self.batch.sequences
+
+    def with_device_mesh(self) -> Plan:
+        """This plan with its mesh's ``DeviceMesh`` built (fsdp on several ranks: every rank calls this once, after
+        the process group exists); itself otherwise."""
+        if not self.strategy.fsdp or self.strategy.mesh.device_mesh is not None:
+            return self
+        mesh = self.strategy.mesh.build(self.device.type)
+        return dataclasses.replace(self, strategy=dataclasses.replace(self.strategy, mesh=mesh))
 
     def placed(self, model) -> Plan:
         """This plan with ``model``'s layout: the bucket plan under ddp, the FSDP units under fsdp (on any rank's
@@ -220,6 +259,7 @@ class Plan:
             "device.memory_gb": None if self.device_memory is None else round(self.device_memory / 1e9, 3),
             "device.capability": None if self.capability is None else ".".join(map(str, self.capability)),
             "world": self.strategy.world,
+            "mesh": self.strategy.mesh.as_dict(self.rank),
             "distributed.strategy": self.strategy.name if self.strategy.world > 1 else "none",
             "distributed.backend": self.backend or "none",
             "train.precision": self.precision,
@@ -326,6 +366,12 @@ def kernels(cfg: Config, device: torch.device) -> tuple[list[str], str | None]:
         )
     if c.kernels == "auto" and (cfg.train.precision == "fp16" or c.autograd):
         kernels = [k for k in kernels if k != "cross_entropy"]
+    if cfg.distributed.cp > 1 and "causal_attention" in kernels:
+        kernels = [k for k in kernels if k != "causal_attention"]
+        return kernels, (
+            "compile.kernels: causal_attention steps aside under distributed.cp: ring attention takes the causal "
+            "attention call as trainer's context parallel makes it (is_causal, no mask, the key/value heads repeated)"
+        )
     return kernels, None
 
 
@@ -417,7 +463,7 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
     device = env.device
     resolved, compile_why = compile_switches(cfg, device)
     t, d = cfg.train, cfg.distributed
-    strategy = Strategy.of(cfg, env)
+    strategy, mesh_notes = Strategy.with_notes(cfg, env)
     batch = global_batch(t, strategy.dp_ranks, saved)
     resolved.train.grad_accum = batch.grad_accum
     if batch.choice is not None:  # derived: the config carries the global batch it keeps
@@ -431,7 +477,7 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
     if t.precision == "auto":
         why = "bf16 autocast on CUDA" if prec == "bf16" else f"on {device.type}"
         choices.append(f"train.precision=auto: {prec} ({why})")
-    choices += compile_why
+    choices += compile_why + mesh_notes
     choices += [batch.choice] if batch.choice else []
     pdt = param_dtype(d.param_dtype, prec) if strategy.fsdp else "fp32"
     if strategy.fsdp and d.param_dtype == "auto":
@@ -464,6 +510,7 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
         checkpointing=t.activation_checkpointing,
         batch=batch,
         choices=tuple(choices),
+        rank=env.rank,
         **_device_facts(device),
     )
 

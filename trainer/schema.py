@@ -267,7 +267,20 @@ class CompileConfig:
 @dataclass(kw_only=True)
 class DistributedConfig:
     strategy: str = _f("none", choices=["none", "ddp", "fsdp"])
-    """Data parallelism: none, ddp (replicated, bucketed all-reduce) or fsdp (FSDP2 sharding)."""
+    """Data parallelism: none, ddp (replicated, bucketed all-reduce) or fsdp (FSDP2 sharding; with the mesh keys
+    below, HSDP, tensor and context parallel)."""
+    replicate: int = _f(1, ge=1)
+    """fsdp: replicas of the sharded model (HSDP: shard within a group of distributed.shard ranks, e.g. a node,
+    all-reduce across the replicate groups); 1: plain FSDP. ddp replicates on every rank."""
+    shard: int = -1
+    """fsdp: ranks each parameter is sharded over (with distributed.cp's); -1: the ranks the other dimensions
+    leave (world / (replicate x cp x tp))."""
+    tp: int = _f(1, ge=1)
+    """Tensor parallel: ranks each layer's matmuls are split over, within a node (the model's own plan: a Hugging
+    Face config's base_model_tp_plan, the built-in GPT's); needs fsdp. 1: none."""
+    cp: int = _f(1, ge=1)
+    """Context parallel: ranks each sequence is split over along its length, with ring attention (torch's
+    context_parallel, head-tail load balancing); data.seq_len must divide by 2 x cp; needs fsdp. 1: none."""
     backend: str = _f("auto", choices=["auto", "nccl", "gloo"])
     """Process-group backend: auto = nccl on CUDA, gloo on CPU."""
     bucket_mb: float = _f(100.0, gt=0.0)
@@ -389,6 +402,14 @@ class Config:
             )
         if self.distributed.shard_optimizer:
             _check_shard_optimizer(self)
+        d = self.distributed
+        if d.shard != -1 and d.shard < 1:
+            raise ConfigError(f"distributed.shard: expected -1 (the rest) or a size >= 1, got {d.shard}")
+        if d.cp > 1 and self.data.seq_len % (2 * d.cp):
+            raise ConfigError(
+                f"distributed.cp={d.cp}: data.seq_len ({self.data.seq_len}) must be a multiple of 2 x cp = "
+                f"{2 * d.cp} (each rank holds one chunk from the sequence's head and one from its tail)"
+            )
         m = self.model
         if m.attention != "auto" and (m.target is not None or m.hf is not None):
             which = "model.target" if m.target is not None else "model.hf"

@@ -37,7 +37,8 @@ from trainer.models import loss_of
 GRAPH_AFTER_STEPS = 3
 
 BatchOf = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""``batch_of(micro) -> (x, y)``: micro-batch ``micro`` of one step, on the device."""
+"""``batch_of(micro) -> (x, y)``, or ``(x, y, positions)`` under context parallel (a rank's slices of each
+sequence and their positions in it): micro-batch ``micro`` of one step, on the device."""
 
 
 class TrainingError(RuntimeError):
@@ -182,10 +183,10 @@ class TrainStep:
         """Every micro-batch's forward and backward (gradients accumulated, reduced on the last); the mean loss."""
         loss_sum = None
         for micro in range(self.accum):
-            x, y = batch_of(micro)
+            batch = batch_of(micro)  # (x, y[, positions])
             with self.backward_ctx(), self.sync.no_sync(micro < self.accum - 1):
                 with self.autocast or contextlib.nullcontext():
-                    loss = loss_of(self.model(x, y))
+                    loss = loss_of(self.model(*batch))
                 scaled = loss * self.inv_accum if self.accum > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # no zeros kernel
@@ -197,9 +198,9 @@ class TrainStep:
         self.model.eval()
         total = torch.zeros((), device=self.env.device)
         for i in range(n_batches):
-            x, y = batch_of(i)
+            batch = batch_of(i)  # (x, y[, positions])
             with self.autocast or contextlib.nullcontext():
-                total += loss_of(self.model(x, y)).float()
+                total += loss_of(self.model(*batch)).float()
         self.model.train()
         return dist_env.all_reduce_mean(total / n_batches, self.env).item()
 
@@ -260,7 +261,7 @@ def clip_gradients(model: nn.Module, opt, max_norm: float, clips_itself: bool, s
     if not params:  # as clip_grad_norm_ of nothing: a zero norm when clipping, none logged otherwise
         return torch.zeros(()) if max_norm > 0 else None
     if norm is None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = total_norm(params)
     if max_norm > 0 and scaler is None and _divides_by_grad_scale(opt, model):
         # torch's fused Adam/AdamW divide every gradient by `opt.grad_scale` inside their kernel (and
         # write it back): GradScaler's hook. Clipping through it saves clip_grad_norm_'s separate read and
@@ -268,8 +269,29 @@ def clip_gradients(model: nn.Module, opt, max_norm: float, clips_itself: bool, s
         # to rounding.
         opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)  # the kernel reads fp32
     elif max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for group in _by_mesh(params):  # one foreach op cannot mix DTensors of two meshes (tensor parallel)
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: a DTensor, reduced over ranks
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` grouped by their gradients' device mesh (one group without DTensors, or on one mesh)."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None, []).append(p)
+    return list(groups.values())
+
+
+def total_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of ``params``' gradients: torch's ``get_total_norm`` (a DTensor under FSDP, reduced when
+    read). With tensor parallel the gradients lie on two meshes (the FSDP x TP one of the split linears, FSDP's of
+    the replicated norms and embeddings), which one DTensor reduction cannot mix: each mesh's norm is reduced over
+    its own ranks, and the norms combine as ``sqrt(sum of squares)``, a plain tensor."""
+    groups = _by_mesh(params)
+    if len(groups) == 1:
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
+    return torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
 
 
 def _divides_by_grad_scale(opt, model: nn.Module) -> bool:

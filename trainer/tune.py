@@ -256,7 +256,8 @@ class Session:
         t = cfg.train
         self.derived = t.global_batch_size is not None  # each candidate's run derives train.grad_accum from it
         # The global batch over the ranks as the runs will split it (exit 2 where they cannot).
-        accum = derive_grad_accum(t.global_batch_size, t.micro_batch_size, self.world.size) if self.derived else None
+        self.dp = memory._strategy(cfg, self.world.size).dp_ranks  # the ranks that split the global batch
+        accum = derive_grad_accum(t.global_batch_size, t.micro_batch_size, self.dp) if self.derived else None
         self.per_rank = t.micro_batch_size * (accum or t.grad_accum)
         self.measured: list[Point] = []
         self.capability: str | None = None  # the GPU's, e.g. "9.0", from the first candidate's plan.json
@@ -365,6 +366,12 @@ def search(s: Session) -> None:
         if d.reduce_dtype != "bf16" and s.affords():
             best = fastest(s.measured)
             s.measure(best.mode, best.micro_batch, [*carried(best), "distributed.reduce_dtype=bf16"])
+    if s.world.size > 1 and d.strategy == "fsdp":  # other layouts of the mesh, the global batch kept
+        for layout in mesh_candidates(s):
+            best = fastest(s.measured)
+            if s.affords():
+                s.measure(best.mode, best.micro_batch, [*carried(best), *layout,
+                                                        f"train.global_batch_size={s.per_rank * s.dp}"])  # fmt: skip
     if s.world.size > 1 and d.strategy in ("ddp", "fsdp"):
         key, value = (
             ("distributed.bucket_mb", d.bucket_mb)
@@ -377,7 +384,29 @@ def search(s: Session) -> None:
                 s.measure(best.mode, best.micro_batch, [*carried(best), f"{key}={v:g}"])
 
 
-CARRIED = ("train.precision=", "distributed.reshard_after_forward=", "distributed.reduce_dtype=")
+def mesh_candidates(s: Session) -> list[list[str]]:
+    """The mesh layouts worth measuring beside the config's under fsdp: HSDP with a replica per node where the job
+    spans nodes (FSDP's collectives then stay within a node), and tensor parallel over 2 ranks of a node where the
+    config has none (the model's heads permitting; a layout the model refuses exits 2 in its run and is skipped)."""
+    d, w = s.cfg.distributed, s.world
+    out = []
+    nodes = w.size // max(w.local_size, 1)
+    if nodes > 1 and d.replicate == 1:
+        out.append([f"distributed.replicate={nodes}", "distributed.shard=-1"])
+    if d.tp == 1 and w.local_size % 2 == 0 and (w.size // 2) % max(d.replicate, 1) == 0:
+        out.append(["distributed.tp=2", "distributed.shard=-1"])
+    return out
+
+
+CARRIED = (
+    "train.precision=",
+    "distributed.reshard_after_forward=",
+    "distributed.reduce_dtype=",
+    "distributed.replicate=",
+    "distributed.tp=",
+    "distributed.shard=",
+    "train.global_batch_size=",
+)
 
 
 def carried(p: Point) -> list[str]:

@@ -211,10 +211,10 @@ class LossOnly(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, idx, targets):
+    def forward(self, idx, targets, *positions):
         from trainer.models import loss_of
 
-        return loss_of(self.model(idx, targets))
+        return loss_of(self.model(idx, targets, *positions))  # positions: context parallel's
 
 
 def apply_compile(model: nn.Module, cfg, say=None, backend=None, hooks_outside: bool = False) -> nn.Module:

@@ -42,6 +42,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
     keep_gathered: int = 0,
+    mesh=None,
 ) -> nn.Module:
     """Shard ``model`` in place: each unit of blocks (see :func:`block_units`), then the root. Returns ``model``.
 
@@ -53,14 +54,17 @@ def apply_fsdp(
             again for the backward). The root keeps them: its backward comes first.
         keep_gathered: with ``reshard_after_forward``, the first this-many of ``units`` (the forward's last) keep
             theirs too: the backward starts with them.
+        mesh: the ``DeviceMesh`` to shard over (:meth:`trainer.distributed.mesh.Mesh.fsdp_mesh`): one dimension
+            (FSDP), or two, replicate and shard (HSDP: reduce-scatter within a shard group, all-reduce across);
+            None: every rank.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kept = kept_units(len(units), reshard_after_forward, keep_gathered)
     for i, unit in enumerate(units):
-        fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp, reshard_after_forward=i >= kept)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, reshard_after_forward=i >= kept)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
 
 

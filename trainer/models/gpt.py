@@ -40,30 +40,55 @@ def sdpa_backend(name: str):
     }[name]
 
 
+class CausalSDPA(nn.Module):
+    """Causal ``scaled_dot_product_attention`` as a module of its own, so that context parallel can wrap it (torch's
+    ``_ContextParallel`` style turns its query, key and value into sequence shards and its call into ring
+    attention: :mod:`trainer.distributed.cp`). ``backend``: a ``model.attention`` name (auto: torch's choice)."""
+
+    def __init__(self, backend: str = "auto"):
+        super().__init__()
+        self.backend = sdpa_backend(backend)
+
+    def forward(self, q, k, v, dropout_p: float = 0.0, scale: float | None = None):
+        if self.backend is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        with sdpa_kernel(self.backend):  # traced by Dynamo: the choice is made at trace time
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+
+
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention whose one projection ``c_qkv`` gives each head's query, key and value side by side
+    (its output rows head-major: head 0's q, k, v, then head 1's), so that splitting the projection's rows into
+    equal parts splits the heads: tensor parallel shards it as any column-parallel linear, and each rank computes
+    its heads' attention (:mod:`trainer.distributed.tp`). A checkpoint of nanoGPT's layout (``c_attn``: every
+    query, then every key, then every value) loads into it, its rows reordered."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.c_qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.backend = sdpa_backend(cfg.attention)
+        self.sdpa = CausalSDPA(cfg.attention)
+        self._register_load_state_dict_pre_hook(self._from_nanogpt_layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        p = self.dropout if self.training else 0.0
-        if self.backend is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            with sdpa_kernel(self.backend):  # traced by Dynamo: the choice is made at trace time
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        B, T, _ = x.shape
+        qkv = self.c_qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hs): nh of this rank's heads
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # (B, nh, T, hs)
+        y = self.sdpa(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
+
+    def _from_nanogpt_layout(self, state_dict, prefix, *args) -> None:
+        """A state dict with ``c_attn`` (rows q | k | v, each head by head) loads as ``c_qkv`` (head by head, each
+        q, k, v): the same model."""
+        for kind in ("weight", "bias"):
+            old = state_dict.pop(f"{prefix}c_attn.{kind}", None)
+            if old is not None:
+                rows = old.view(3, self.n_head, self.head_dim, *old.shape[1:])  # (3, nh, hs[, C])
+                state_dict[f"{prefix}c_qkv.{kind}"] = rows.transpose(0, 1).reshape(old.shape)
 
 
 class MLP(nn.Module):
@@ -122,10 +147,14 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``positions``: each token's position in its sequence, (B, T) (context parallel gives a rank's slices of
+        the sequence); None: 0 .. T-1."""
         B, T = idx.shape  # (B, T)
         assert T <= self.cfg.block_size, f"sequence length {T} > block_size {self.cfg.block_size}"
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(T, device=idx.device) if positions is None else positions
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)

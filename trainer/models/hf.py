@@ -57,9 +57,13 @@ class HFCausalLM(nn.Module):
         self._head_path = next(name for name, mod in model.named_modules() if mod is head)
         self._base_name = model.base_model_prefix
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) token ids and (B, T) next-token targets -> the mean cross-entropy; without targets, the logits."""
-        h = getattr(self.hf, self._base_name)(input_ids=idx, use_cache=False)[0]  # (B, T, C): last hidden state
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, T) token ids and (B, T) next-token targets -> the mean cross-entropy; without targets, the logits.
+        ``positions``: each token's position in its sequence, (B, T) (context parallel's slices); None: 0 .. T-1."""
+        base = getattr(self.hf, self._base_name)
+        h = base(input_ids=idx, position_ids=positions, use_cache=False)[0]  # (B, T, C): last hidden state
         if targets is None:
             return self.logits(h)  # (B, T, V)
         return self.head_loss(h, targets)
