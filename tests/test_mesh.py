@@ -139,11 +139,12 @@ def test_the_mesh_is_resolved_in_the_plan():
         (4, ["distributed.tp=4"], 2, "distributed.tp=4 is larger than a node's 2 ranks"),
         (4, ["distributed.tp=2", "distributed.strategy=ddp"], None, "distributed.tp=2 needs distributed.strategy=fsdp"),
         (4, ["distributed.strategy=ddp", "distributed.shard=2"], None, "ddp replicates the model on every rank"),
+        (4, ["distributed.tp=2", "optim.impl=triton"], None, "under distributed.tp=2 the split linears"),
     ],
 )
 def test_a_layout_the_ranks_cannot_hold_is_refused(world, overrides, local, message):
     strategy = [] if any(o.startswith("distributed.strategy") for o in overrides) else ["distributed.strategy=fsdp"]
-    with pytest.raises(ConfigError, match="distributed") as e:
+    with pytest.raises(ConfigError) as e:
         _plan(world, *strategy, *overrides, local_world=local)
     assert message in str(e.value)
 
@@ -229,5 +230,5 @@ def test_context_parallel_on_two_gpus_reproduces_one_gpu(model, tmp_path):
     print(model, "max relative loss difference, CP 2 vs one GPU:", max(abs(a[s] - b[s]) / a[s] for s in a))
     for step in a:
         # fp32 with TF32 matmuls off by default; ring attention merges the blocks' softmax partial sums in another
-        # order than one kernel's: tolerance 1e-4 relative.
-        assert b[step] == pytest.approx(a[step], rel=1e-4), (step, a[step], b[step])
+        # order than one kernel's: observed 9.3e-8 (GPT) and 9.7e-8 (Llama) relative on 2 H200s, bound 1e-6.
+        assert b[step] == pytest.approx(a[step], rel=1e-6), (step, a[step], b[step])

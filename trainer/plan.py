@@ -314,6 +314,12 @@ def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_
     from trainer.optim.factory import resolve_impl
 
     o = cfg.optim
+    if o.impl == "triton" and strategy.fsdp and strategy.tp > 1:
+        raise ConfigError(
+            f"optim.impl=triton: trainer's Triton {o.name} updates parameters of one device mesh, and under "
+            f"distributed.tp={strategy.tp} the split linears and the replicated norms and embeddings lie on two; "
+            "use optim.impl=auto (torch's fused) or fused"
+        )
     if strategy.zero:
         impl = o.impl if o.impl != "auto" else "fused" if device.type == "cuda" else "foreach"
         return impl, "the sharded optimizer's update of each shard"
