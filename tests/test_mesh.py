@@ -232,3 +232,29 @@ def test_context_parallel_on_two_gpus_reproduces_one_gpu(model, tmp_path):
         # fp32 with TF32 matmuls off by default; ring attention merges the blocks' softmax partial sums in another
         # order than one kernel's: observed 9.3e-8 (GPT) and 9.7e-8 (Llama) relative on 2 H200s, bound 1e-6.
         assert b[step] == pytest.approx(a[step], rel=1e-6), (step, a[step], b[step])
+
+
+def test_float8_linears_take_torchaos_tensor_parallel_styles(monkeypatch):
+    """Under train.precision=fp8 the split linears are torchao's Float8Linear, and tensor parallel hands them
+    torchao's Float8ColwiseParallel / Float8RowwiseParallel (as torchtitan composes them); plain linears torch's."""
+    pytest.importorskip("torchao")
+    import torch.distributed.tensor.parallel as tp_api
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from trainer.distributed import tp
+    from trainer.models import build_model
+
+    model = build_model(preset=None, vocab_size=64, seq_len=16, n_layer=1, n_head=4, n_embd=64)
+    convert_to_float8_training(model.transformer.h[0].mlp, config=Float8LinearConfig(emulate=True))  # the MLP's
+    seen = {}
+    monkeypatch.setattr(tp_api, "parallelize_module", lambda m, mesh, plan, **kw: seen.update(plan))
+
+    class Mesh:
+        def size(self):
+            return 2
+
+    line = tp.apply_tp(model, Mesh())
+    styles = {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1]: type(v).__name__ for k, v in seen.items()}
+    assert styles == {"attn.c_qkv": "ColwiseParallel", "attn.c_proj": "RowwiseParallel",
+                      "mlp.c_fc": "Float8ColwiseParallel", "mlp.c_proj": "Float8RowwiseParallel"}  # fmt: skip
+    assert "(2 in float8, with torchao's styles)" in line

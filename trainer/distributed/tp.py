@@ -113,17 +113,31 @@ def apply_tp(model: nn.Module, tp_mesh) -> str:
 
     plan, source = model_plan(model)
     check_heads(model, tp_mesh.size())
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    names = [name for name, _ in model.named_modules()]
-    matched = {k: [n for n in names if _matches(k, n)] for k in plan}
+    modules = dict(model.named_modules())
+    matched = {k: [n for n in modules if _matches(k, n)] for k in plan}
     if unmatched := [k for k, found in matched.items() if not found]:
         raise LayoutError(f"distributed.tp: {source} names modules the model does not have: {', '.join(unmatched)}")
-    parallelize_module(model, tp_mesh, {k: styles[v]() for k, v in plan.items()}, src_data_rank=None)
+    styles, float8 = {}, 0
+    for key, kind in plan.items():
+        if all(_is_float8(modules[n]) for n in matched[key]):  # train.precision=fp8: torchao's styles, as torchtitan
+            from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+            styles[key] = {"colwise": Float8ColwiseParallel, "rowwise": Float8RowwiseParallel}[kind]()
+            float8 += len(matched[key])
+        else:
+            styles[key] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[kind]()
+    parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     counts = {s: sum(len(matched[k]) for k, v in plan.items() if v == s) for s in STYLES}
+    fp8 = f" ({float8} in float8, with torchao's styles)" if float8 else ""
     return (
         f"tensor parallel over {tp_mesh.size()} ranks ({source}): {counts['colwise']} linears column-wise, "
-        f"{counts['rowwise']} row-wise; norms, embeddings and the LM head replicated"
+        f"{counts['rowwise']} row-wise{fp8}; norms, embeddings and the LM head replicated"
     )
+
+
+def _is_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchao float8 linear (``train.precision=fp8`` converted it)."""
+    return type(module).__name__ == "Float8Linear"
 
 
 def module_matches(plan: dict[str, str], name: str) -> bool:
