@@ -258,3 +258,22 @@ def test_float8_linears_take_torchaos_tensor_parallel_styles(monkeypatch):
     assert styles == {"attn.c_qkv": "ColwiseParallel", "attn.c_proj": "RowwiseParallel",
                       "mlp.c_fc": "Float8ColwiseParallel", "mlp.c_proj": "Float8RowwiseParallel"}  # fmt: skip
     assert "(2 in float8, with torchao's styles)" in line
+
+
+def test_a_hugging_face_plan_maps_colwise_and_rowwise_and_leaves_embeddings_replicated():
+    """transformers 5.17's Llama plan names the embedding (embedding_rowwise): left replicated, as the LM head."""
+    transformers = pytest.importorskip("transformers")
+    from trainer.distributed.tp import model_plan
+    from trainer.models.hf import HFCausalLM
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    cfg.base_model_tp_plan = {**cfg.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    plan, source = model_plan(HFCausalLM(transformers.LlamaForCausalLM(cfg)))
+    assert source == "LlamaConfig.base_model_tp_plan" and "hf.model.embed_tokens" not in plan
+    assert (
+        plan["hf.model.layers.*.self_attn.q_proj"] == "colwise" and plan["hf.model.layers.*.mlp.down_proj"] == "rowwise"
+    )
+    cfg.base_model_tp_plan = {**cfg.base_model_tp_plan, "layers.*.mlp.gate_up_proj": "packed_colwise"}
+    with pytest.raises(LayoutError, match="packed_colwise"):
+        model_plan(HFCausalLM(transformers.LlamaForCausalLM(cfg)))
