@@ -264,15 +264,16 @@ def _fsdp_session(monkeypatch, tmp_path, device, per_rank):
         60 * GB,
         "9.0",
     )  # fmt: skip
-    s.world = tune.World(size=2)
+    s.world, s.dp = tune.World(size=2, local_size=2), 2  # one node of 2 GPUs, both data parallel
     s.world.broadcast = lambda obj: obj
     s.estimate.parts = {"counted": (16 * GB, "")}
     return s
 
 
 def test_search_adds_fp8_fsdp_settings_and_unit_sizes_on_the_fastest(monkeypatch, tmp_path):
-    """After the modes: fp8, then every unit kept gathered, then bf16 reduction, then half and twice the unit size,
-    each on the fastest so far, keeping the settings that made it the fastest."""
+    """After the modes: fp8, then every unit kept gathered, then bf16 reduction, then tensor parallel over 2 of the
+    node's GPUs (the global batch kept: 2 sequences on each of 2 ranks), then half and twice the unit size, each on
+    the fastest so far, keeping the settings that made it the fastest."""
     device = Faster()
     s = _fsdp_session(monkeypatch, tmp_path, device, 2)
     tune.search(s)
@@ -281,11 +282,21 @@ def test_search_adds_fp8_fsdp_settings_and_unit_sizes_on_the_fastest(monkeypatch
         (fp8,),
         (fp8, kept),
         (fp8, kept, bf16),
+        (fp8, kept, bf16, "distributed.tp=2", "distributed.shard=-1", "train.global_batch_size=4"),
         (fp8, kept, bf16, "distributed.fsdp_unit_mb=256"),
         (fp8, kept, bf16, "distributed.fsdp_unit_mb=1024"),
     ]
     best = tune.fastest(s.measured)
     assert best.micro_batch == 2 and {fp8, kept, bf16} <= set(best.overrides)
+
+
+def test_mesh_candidates_are_hsdp_across_nodes_and_tensor_parallel_within_one(monkeypatch, tmp_path):
+    s = _fsdp_session(monkeypatch, tmp_path, Faster(), 2)
+    s.world = tune.World(size=8, local_size=4)  # 2 nodes of 4 GPUs
+    assert tune.mesh_candidates(s) == [["distributed.replicate=2", "distributed.shard=-1"],
+                                       ["distributed.tp=2", "distributed.shard=-1"]]  # fmt: skip
+    s.world = tune.World(size=2, local_size=1)  # 2 nodes of 1 GPU: HSDP only
+    assert tune.mesh_candidates(s) == [["distributed.replicate=2", "distributed.shard=-1"]]
 
 
 def _kept_runs(device, s) -> list[tuple[int, str]]:

@@ -303,10 +303,9 @@ def test_the_built_in_gpt_gets_its_kernels_from_the_pass():
 )
 def test_what_compile_kernels_means_on_a_device(overrides, device, expected):
     from trainer.config import load_config
-    from trainer.plan import compile_switches as resolve_auto
+    from trainer.plan import one_process
 
-    cfg, _ = resolve_auto(load_config(None, overrides), torch.device(device))
-    assert cfg.compile.kernels == expected
+    assert one_process(load_config(None, overrides), device).kernels == tuple(expected)
 
 
 # ---- Hugging Face models, from tiny configs (no download) ----------------------------------------------------

@@ -50,17 +50,20 @@ def test_every_shipped_config_plans_without_auto(config, env):
 def test_what_auto_becomes_on_each_device_and_world():
     """The rules, one device and world at a time: bf16, compiled and graphed, ours for AdamW on one GPU; torch's
     fused under fsdp (parameters gathered in bf16) and for the sharded optimizer; fp32 and foreach on a CPU."""
+    from trainer.compile.passes import KERNEL_NAMES
+
     cfg = load_config(ROOT / "configs/tiny.yaml")
     cpu = plan.resolve(cfg, _env())
     assert (cpu.precision, cpu.autocast, cpu.optim_impl, cpu.data_dtype) == ("fp32", None, "foreach", "bytes")
-    assert not cpu.cfg.compile.enabled and not cpu.cfg.compile.cudagraphs and str(cpu.strategy) == "one process"
+    assert not cpu.compiled and not cpu.graphed and str(cpu.strategy) == "one process"
+    assert cpu.cfg.compile.enabled == "auto" and cpu.cfg.compile.kernels == "auto"  # the config as given
     gpu = plan.resolve(cfg, _env("cuda:0"))
     assert (gpu.precision, gpu.autocast, gpu.optim_impl) == ("bf16", torch.bfloat16, "triton")
-    assert gpu.cfg.compile.enabled and gpu.cfg.compile.cudagraphs
+    assert gpu.compiled and gpu.graphed and gpu.kernels == tuple(KERNEL_NAMES)
     assert "optim.impl=auto: triton (trainer's Triton adamw on CUDA)" in gpu.choices
     fsdp = plan.resolve(load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=fsdp"]), _env("cuda:0", 2))
     assert fsdp.strategy.fsdp and (fsdp.optim_impl, fsdp.param_dtype) == ("fused", "bf16")
-    assert not fsdp.cfg.compile.cudagraphs  # the graphed step is not for fsdp
+    assert not fsdp.graphed  # the graphed step is not for fsdp
     zero = load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=ddp", "distributed.shard_optimizer=true"])
     zero = plan.resolve(zero, _env("cuda:0", 2))
     assert zero.strategy.zero and zero.optim_impl == "fused" and str(zero.strategy).endswith("optimizer state sharded")
@@ -83,6 +86,11 @@ def test_a_fit_writes_plan_json_without_auto(tmp_path, capsys):
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert not _autos(doc) and doc["train.device"] == "cpu" and doc["optim.impl"] == "foreach"
     assert "train.precision=auto: fp32 (on cpu)" in doc["choices"]
+    import yaml
+
+    # config.yaml records the compile switches as resolved (what a resume compares); the plan's cfg keeps auto
+    c = yaml.safe_load((tmp_path / "config.yaml").read_text())["compile"]
+    assert (c["enabled"], c["cudagraphs"], c["kernels"]) == (False, False, [])
 
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -287,9 +287,10 @@ def test_cudagraphs_refused_and_auto_off_with_the_reason():
     with pytest.raises(ConfigError, match="compile.cudagraphs: needs distributed.shard_optimizer=false"):
         load_config("configs/tiny.yaml", [*SHARDED, "compile.cudagraphs=true"])
     from trainer.compile.graphed import blocker
+    from trainer.schema import graphed_step_settings
 
     cfg = load_config("configs/tiny.yaml", [*SHARDED, "compile.enabled=true"])
-    assert blocker(cfg).startswith("distributed.shard_optimizer=true (needs false")
+    assert blocker(True, **graphed_step_settings(cfg)).startswith("distributed.shard_optimizer=true (needs false")
 
 
 def test_cli_exits_2_naming_the_key(capsys):

@@ -312,7 +312,7 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
         scaler=scaler,
         amp_dtype=plan.autocast,
         env=env,
-        graphed=cfg.compile.cudagraphs,
+        graphed=plan.graphed,
         skip_non_finite=cfg.train.on_nan == "skip",
         backward_ctx=backward_context(cfg),
         fallback=eager_fallback(raw_model, plan, env, opt=opt),
@@ -320,17 +320,18 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
     )
 
 
-def compile_watcher(cfg: Config, model: nn.Module | None = None):
+def compile_watcher(plan: plan_rules.Plan, model: nn.Module | None = None):
     """A :class:`trainer.compile.report.CompileWatcher` (graphs, breaks, recompiles, compile time) that warns on a
     recompile after warm-up, when anything is compiled; else None. Under ``train.precision=fp8`` its report lists
     ``model``'s linears in float8 and the others with the reason."""
-    if not (cfg.compile.enabled or cfg.compile.autograd):
+    cfg = plan.cfg
+    if not (plan.compiled or cfg.compile.autograd):
         return None
     from trainer.compile.report import CompileWatcher
 
     warn = lambda rec: console.warn(rec["message"])  # noqa: E731
     watcher = CompileWatcher(max_recompiles=cfg.compile.max_recompiles, on_recompile=warn)
-    if cfg.train.precision == "fp8" and model is not None:
+    if plan.precision == "fp8" and model is not None:
         from trainer.precision import fp8
 
         watcher.extra["fp8"] = fp8.conversion_of(model, cfg.train.fp8_recipe).as_dict()
@@ -430,27 +431,29 @@ def grad_scaler(dtype, device: torch.device):
     return torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
 
-def splits_at_buckets(c) -> bool:
-    """Whether DDP splits the forward graph at the buckets (``c``: the compile section).
+def splits_at_buckets(compiled: bool, scope: str, autograd: bool) -> bool:
+    """Whether DDP splits the forward graph at the buckets (``compiled``: ``compile.enabled`` as resolved; ``scope``,
+    ``autograd``: ``compile.scope``, ``compile.autograd``).
 
     Only where the model is one graph with one backward graph: per-block graphs already end at whole
     blocks, and under compiled autograd the backward is one graph whatever the forward's pieces.
     """
-    return c.enabled and c.scope == "model" and not c.autograd
+    return compiled and scope == "model" and not autograd
 
 
-def checkpoint_activations(model: nn.Module, cfg: Config) -> None:
+def checkpoint_activations(model: nn.Module, plan: plan_rules.Plan) -> None:
     """``train.activation_checkpointing`` on the model's repeated blocks, in place (idempotent), and says so.
 
     Before anything compiles or wraps the blocks: the recompute is then inside their compiled graphs (and under
     FSDP inside its hooks, which gather the parameters again for the backward).
     """
+    cfg = plan.cfg
     t = cfg.train
     if t.activation_checkpointing == "none":
         if t.checkpoint_every_n != 1:
             console.info("train.checkpoint_every_n has no effect with train.activation_checkpointing=none")
         return
-    if cfg.compile.autograd and not cfg.compile.enabled:
+    if cfg.compile.autograd and not plan.compiled:
         # Compiled autograd cannot trace an eager checkpoint's recompute (torch 2.13: "Attempted to call function
         # marked as skipped ... unpack_hook"); inside a compiled forward the recompute is part of its graph.
         raise ValueError(
@@ -485,7 +488,7 @@ def wrap(
         console.info(f"distributed.strategy={strategy} has no effect in a single process (no torchrun)")
         if cfg.distributed.shard_optimizer:
             console.info("distributed.shard_optimizer=true has no effect in a single process (no torchrun)")
-    checkpoint_activations(model, cfg)  # before compile and DDP; under FSDP shard() did it already
+    checkpoint_activations(model, plan)  # before compile and DDP; under FSDP shard() did it already
     buckets = splitter = None
     # distributed.shard_optimizer: the bucket plan the parameters were moved into
     shards = opt.shards if plan.strategy.zero and opt is not None else None
@@ -493,17 +496,17 @@ def wrap(
         from trainer.distributed import ddp
 
         buckets = shards.plan if shards is not None else plan.layout_of(model)
-        if compile and splits_at_buckets(cfg.compile):
-            c = cfg.compile
-            from trainer.compile.capture import enabled_kernels, inner_backend
+        c = cfg.compile
+        if compile and splits_at_buckets(plan.compiled, c.scope, c.autograd):
+            from trainer.compile.capture import inner_backend
 
-            backend = inner_backend(c.backend, c.mode, dict(c.inductor_options), enabled_kernels(c))
+            backend = inner_backend(c.backend, c.mode, dict(c.inductor_options), plan.kernels)
             splitter = ddp.PlanSplitter(buckets, backend)
     # A sharded model had its blocks compiled by shard(), before fully_shard.
-    if compile and cfg.compile.enabled and not is_sharded(model):
+    if compile and plan.compiled and not is_sharded(model):
         from trainer.compile.capture import apply_compile
 
-        model = apply_compile(model, cfg.compile, backend=splitter)
+        model = apply_compile(model, cfg.compile, backend=splitter, kernels=plan.kernels)
     if buckets is not None:
         from trainer.distributed.fsdp import DTYPES
 
@@ -529,8 +532,8 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
     full = full_state(model) if env.rank == 0 else None  # rank 0 built it whole (make_model), the others on meta
     _apply_tp_and_cp(model, mesh)
     with console.quiet():  # inside the compiled forward and FSDP's hooks; wrap() says so
-        checkpoint_activations(model, cfg)
-    if c.enabled:
+        checkpoint_activations(model, plan)
+    if plan.compiled:
         from trainer.compile.capture import apply_compile
 
         if c.scope == "model":
@@ -538,7 +541,7 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
                 "fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP"
             )
         blocks = dataclasses.replace(c, scope="blocks")
-        apply_compile(model, blocks, hooks_outside=True)
+        apply_compile(model, blocks, hooks_outside=True, kernels=plan.kernels)
     param_dtype = DTYPES[plan.param_dtype]
     units = plan.layout_of(model)
     # The report's first line; `trainer explain` prints all of it.

@@ -330,7 +330,7 @@ def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None
     if strategy == "ddp":
         from trainer.describe import ddp_plan_report
 
-        console.info(ddp_plan_report(trainer.raw_model, cfg, trainer.splitter))
+        console.info(ddp_plan_report(trainer.raw_model, trainer.plan, trainer.splitter))
     elif strategy == "fsdp":
         from trainer.describe import fsdp_units_report
 

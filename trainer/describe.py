@@ -16,18 +16,19 @@ def describe_path(plan: plan_rules.Plan, opt) -> str:
     compiled or eager, graphed or not, the optimizer, kernels."""
     from trainer.step import GRAPH_AFTER_STEPS
 
-    cfg, device, why = plan.cfg, plan.device, plan.compile_reasons
+    cfg, why = plan.cfg, plan.compile_reasons
     c = cfg.compile
-    path = f"compiled ({c.backend}, {'whole model' if c.scope == 'model' else 'each block'})" if c.enabled else "eager"
+    scope = "whole model" if c.scope == "model" else "each block"
+    path = f"compiled ({c.backend}, {scope})" if plan.compiled else "eager"
     if c.autograd:
         path += " + compiled autograd"
-    if c.cudagraphs and device.type == "cuda":
+    if plan.graphed:
         path += f", the whole step replayed as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps"
     kernels = [f"{opt.impl} {cfg.optim.name}"]
     if plan.strategy.zero:  # distributed.shard_optimizer (trainer.optim.zero)
         kernels.append(f"optimizer state sharded over {plan.strategy.world} ranks")
-    if c.enabled and c.kernels:
-        kernels.append(f"kernels substituted where they match: {' '.join(c.kernels)}")
+    if plan.compiled and plan.kernels:
+        kernels.append(f"kernels substituted where they match: {' '.join(plan.kernels)}")
     reasons = f" ({'; '.join(why)})" if why else ""
     return f"path: {path}; {', '.join(kernels)}{reasons}"
 
@@ -170,8 +171,9 @@ def fsdp_units_report(model: nn.Module, cfg: Config) -> str:
     return describe_units(model, units, d.fsdp_unit_mb, kept)
 
 
-def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
-    """``trainer explain``'s view of the bucket plan: bucket -> units -> parameters -> bytes -> graph piece.
+def ddp_plan_report(model: nn.Module, run_plan: plan_rules.Plan, splitter=None) -> str:
+    """``trainer explain``'s view of the bucket plan of ``run_plan``'s config: bucket -> units -> parameters -> bytes
+    -> graph piece.
 
     ``splitter`` is the one a run used (under torchrun); without one, the forward is traced once with
     a splitter over the eager backend (no code generation) to find where the pieces end.
@@ -180,11 +182,12 @@ def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
     from trainer.distributed import ddp
     from trainer.distributed.buckets import plan_buckets
 
+    cfg, compiled = run_plan.cfg, run_plan.compiled
     c = cfg.compile
     d = cfg.distributed
     plan = splitter.plan if splitter is not None else plan_buckets(model, d.bucket_mb, c.blocks, d.split_tail)
     lines = []
-    if splits_at_buckets(c):
+    if splits_at_buckets(compiled, c.scope, c.autograd):
         if splitter is None:
             splitter = ddp.PlanSplitter(plan, inner_backend("eager"))
             idx = torch.zeros(1, cfg.data.seq_len, dtype=torch.long, device=next(model.parameters()).device)
@@ -197,9 +200,9 @@ def ddp_plan_report(model: nn.Module, cfg: Config, splitter=None) -> str:
         lines.append(f"forward graph split into {n} pieces ({state}); each piece's backward completes its bucket")
     else:
         lines.append(plan.describe())
-        if c.enabled and c.autograd:
+        if compiled and c.autograd:
             lines.append("compiled autograd: one backward graph; each bucket's all-reduce is a node inside it")
-        elif c.enabled:
+        elif compiled:
             lines.append("compile.scope=blocks: one graph per block; buckets hold whole blocks")
         else:
             lines.append("eager: each bucket's all-reduce starts when its last gradient is accumulated")

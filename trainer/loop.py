@@ -41,7 +41,7 @@ class Trainer:
     def __init__(self, cfg: Config, resume: str | None = None):
         self.cfg, self.resume = cfg, resume
         self.splitter = None  # the DDP graph splitter, when one is used (for explain and tests)
-        self.raw_model = None  # the unwrapped model, after fit()
+        self.raw_model = self.plan = None  # the unwrapped model and the run's plan (trainer.plan.Plan), after fit()
 
     def fit(self) -> dict:
         """Train for ``train.steps`` steps. Returns a summary (final loss, val loss, tokens/s, ...)."""
@@ -59,19 +59,19 @@ class Trainer:
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
         # Every auto, once, and the mesh built: a resume keeps its checkpoint's global batch.
         resolved = plan.resolve(self.cfg, env, plan.SavedBatch.read(start.resume)).with_device_mesh()
-        cfg, run_dir = resolved.cfg, Path(resolved.cfg.run.dir)
+        cfg, run_dir, record = resolved.cfg, Path(resolved.cfg.run.dir), to_dict(resolved.run_config())  # config.yaml's
         threads = build.set_up_process(cfg, env.device)  # the seeds, torch's threads
         # The data, the model (checked against the data) and its layout, the optimizer; a resume's state.
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip
         batches = build.batches(resolved, corpus, env)
         self.raw_model = raw_model = build.make_model(resolved, corpus.vocab_size, env)
-        resolved = resolved.placed(raw_model)  # the bucket plan or the FSDP units
+        self.plan = resolved = resolved.placed(raw_model)  # the bucket plan or the FSDP units
         if env.is_main:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             resolved.write(run_dir)  # config.yaml and plan.json
             memory.say_startup_note(self.cfg, raw_model, env.world_size, resolved.device_memory)  # none on CPU
-        if compiling := cfg.compile.enabled or cfg.compile.autograd:
+        if compiling := resolved.compiled or cfg.compile.autograd:
             cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
         if resolved.strategy.fsdp:
             build.shard(raw_model, resolved, env)
@@ -80,7 +80,7 @@ class Trainer:
         scaler = build.grad_scaler(resolved.autocast, env.device)
         states = run_states(raw_model, opt, sched, scaler, batches, lr=cfg.optim.lr, device=env.device)
         storage, sides = DCP if resolved.strategy.fsdp else TORCH_SAVE, [CompileCache()] if compiling else []
-        ckpts = Checkpointer(states, storage, run_dir, env, config=to_dict(cfg), keep=cfg.checkpoint.keep, beside=sides)
+        ckpts = Checkpointer(states, storage, run_dir, env, config=record, keep=cfg.checkpoint.keep, beside=sides)
         progress = ckpts.begin(start)  # the step and tokens seen: resumed (resume=auto: if there is a checkpoint), or 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
@@ -89,7 +89,7 @@ class Trainer:
         train_step = build.train_step(model, raw_model, opt, scaler, resolved, env)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         describe.say_startup(resolved, raw_model, corpus, tokens_per_step, opt, threads)  # the run, its path, notes
-        watcher = build.compile_watcher(cfg, model=raw_model)
+        watcher = build.compile_watcher(resolved, model=raw_model)
 
         def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
             """What every step's numbers must pass once read: few recompiles, a finite loss (on every rank)."""

@@ -1,10 +1,10 @@
 """The run's plan: every ``auto`` of the config resolved once, for this device and world, with the reason.
 
-:func:`resolve` makes a frozen :class:`Plan` at the start of a run; the fit loop builds from ``plan.cfg`` (the
-config with the compile switches resolved) and the plan's other fields. Each ``auto`` has one rule, which this
-module applies (and states, or calls where the rule belongs to its piece: the optimizer's, the device's); the
-functions elsewhere that still accept ``auto``, for callers that build a piece alone (the benchmarks, tests), call
-the same rule.
+:func:`resolve` makes a frozen :class:`Plan` at the start of a run; the fit loop builds from the plan's fields and
+``plan.cfg`` (the config as given, ``auto`` kept: what the plan resolved is read from its fields, never from
+``plan.cfg``). Each ``auto`` has one rule, which this module applies (and states, or calls where the rule belongs
+to its piece: the optimizer's, the device's); the functions elsewhere that still accept ``auto``, for callers that
+build a piece alone (the benchmarks, tests), call the same rule.
 
 The run directory keeps ``plan.json``: the values the run used, each ``auto`` replaced, and one line per ``auto``
 saying what it became and why. ``trainer explain`` prints the same lines.
@@ -162,10 +162,11 @@ class GlobalBatch:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a run does, resolved: ``cfg`` with its compile switches resolved, and every other ``auto`` as a field.
+    """What a run does, resolved: every ``auto`` of ``cfg`` as a field.
 
     Attributes:
-        cfg: the config, ``compile.enabled``, ``compile.cudagraphs`` and ``compile.kernels`` resolved.
+        cfg: the config as given (its ``auto`` kept), but for ``train.grad_accum`` and ``train.global_batch_size``,
+            which carry the global batch as resolved (:attr:`batch`).
         device: where the model trains (``train.device``).
         strategy: data parallelism as it runs.
         backend: the process group's (nccl, gloo), None for one process.
@@ -177,6 +178,9 @@ class Plan:
         attention: the built-in GPT's attention kernel: torch's choice per call, or the one named.
         checkpointing: ``train.activation_checkpointing`` (none, full, selective).
         batch: the global batch, and ``train.grad_accum`` as ``cfg`` carries it.
+        compiled: ``compile.enabled``: whether the model is compiled.
+        graphed: ``compile.cudagraphs``: whether the whole step is replayed as one CUDA graph (on CUDA only).
+        kernels: ``compile.kernels``: the names of trainer's kernels substituted into the compiled graphs.
         choices: one line per ``auto`` (and per derived value): what it became and why.
         device_memory: the device's memory in bytes (CUDA), None elsewhere.
         capability: the CUDA device's compute capability, e.g. ``(9, 0)``; None elsewhere.
@@ -198,6 +202,9 @@ class Plan:
     attention: str
     checkpointing: str
     batch: GlobalBatch
+    compiled: bool
+    graphed: bool
+    kernels: tuple[str, ...]
     choices: tuple[str, ...] = field(default=())
     device_memory: int | None = None
     capability: tuple[int, int] | None = None
@@ -253,7 +260,6 @@ class Plan:
 
     def as_dict(self) -> dict:
         """The resolved values, by config key, and the choices: ``plan.json``."""
-        c = self.cfg.compile
         return {
             "train.device": str(self.device),
             "device.memory_gb": None if self.device_memory is None else round(self.device_memory / 1e9, 3),
@@ -272,23 +278,37 @@ class Plan:
             "train.activation_checkpointing": self.checkpointing,
             "train.grad_accum": self.cfg.train.grad_accum,
             "global_batch": self.batch.sequences,
-            "compile.enabled": bool(c.enabled),
-            "compile.cudagraphs": bool(c.cudagraphs) and self.device.type == "cuda",
-            "compile.kernels": list(c.kernels),
+            "compile.enabled": self.compiled,
+            "compile.cudagraphs": self.graphed,
+            "compile.kernels": list(self.kernels),
             "units": [list(u) for u in self.units],
             "choices": list(self.choices),
         }
 
+    def run_config(self) -> Config:
+        """The config as the run records it, in ``config.yaml`` and in each checkpoint's ``meta.json``: a copy of
+        ``cfg`` with ``compile.enabled``, ``compile.kernels`` and an ``auto`` ``compile.cudagraphs`` as resolved.
+
+        A record, not something to build from (the fields are what the run reads): a resume compares its
+        checkpoint's config with this one (:func:`trainer.checkpoint.compare_configs`), and checkpoints written
+        with the switches resolved would otherwise report them changed (``compile.enabled: True -> 'auto'``)."""
+        cfg = copy.deepcopy(self.cfg)
+        c = cfg.compile
+        c.enabled, c.kernels = self.compiled, list(self.kernels)
+        if c.cudagraphs == "auto":
+            c.cudagraphs = self.graphed
+        return cfg
+
     def write(self, run_dir: Path) -> None:
-        """``run_dir/config.yaml`` (``cfg``: the config as given, its compile switches resolved) and
-        ``run_dir/plan.json`` (:meth:`as_dict`, and ``cwd``: the working directory, against which the config's
-        relative paths are read; ``trainer sample`` and ``trainer export`` read them against it from anywhere)."""
+        """``run_dir/config.yaml`` (:meth:`run_config`) and ``run_dir/plan.json`` (:meth:`as_dict`, and ``cwd``: the
+        working directory, against which the config's relative paths are read; ``trainer sample`` and ``trainer
+        export`` read them against it from anywhere)."""
         import os
 
         from trainer.config import to_yaml
         from trainer.io import atomic_write_text
 
-        atomic_write_text(Path(run_dir) / "config.yaml", to_yaml(self.cfg))
+        atomic_write_text(Path(run_dir) / "config.yaml", to_yaml(self.run_config()))
         doc = {**self.as_dict(), "cwd": os.getcwd()}
         atomic_write_text(Path(run_dir) / "plan.json", json.dumps(doc, indent=1) + "\n")
 
@@ -335,50 +355,74 @@ def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_
     return impl, why
 
 
-def compile_switches(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
-    """A copy of ``cfg`` with ``compile.enabled`` and ``compile.cudagraphs`` resolved for ``device``, and why (the
-    startup line's reasons). ``auto`` is the fastest measured path: compiled on CUDA, and the whole step as one CUDA
-    graph wherever the step allows it."""
-    cfg = copy.deepcopy(cfg)
+@dataclass(frozen=True)
+class CompileSwitches:
+    """``compile.enabled``, ``compile.cudagraphs`` and ``compile.kernels`` as resolved (:func:`compile_switches`).
+
+    Attributes:
+        compiled: whether the model is compiled.
+        graphed: whether the whole step is replayed as one CUDA graph (on CUDA only).
+        kernels: the names of trainer's kernels substituted into the compiled graphs.
+        why: the startup line's reasons: one line per ``auto``, and per value that has no effect.
+    """
+
+    compiled: bool
+    graphed: bool
+    kernels: tuple[str, ...]
+    why: tuple[str, ...]
+
+
+def compile_switches(cfg: Config, device: torch.device, precision_: str, impl: str) -> CompileSwitches:
+    """``compile.enabled``, ``compile.cudagraphs`` and ``compile.kernels`` resolved for ``device``, and why (the
+    startup line's reasons); ``precision_`` and ``impl``: ``train.precision`` and ``optim.impl`` as resolved. ``auto``
+    is the fastest measured path: compiled on CUDA, and the whole step as one CUDA graph wherever the step allows
+    it."""
     c, why = cfg.compile, []
+    compiled = c.enabled if c.enabled != "auto" else device.type == "cuda"
     if c.enabled == "auto":
-        c.enabled = device.type == "cuda"
-        why.append(f"compile.enabled=auto: {'on for CUDA' if c.enabled else 'off on ' + device.type}")
+        why.append(f"compile.enabled=auto: {'on for CUDA' if compiled else 'off on ' + device.type}")
     if c.cudagraphs == "auto":
         from trainer.compile.graphed import blocker
+        from trainer.schema import graphed_step_settings
 
-        reason = blocker(cfg) if device.type == "cuda" else None
-        c.cudagraphs = device.type == "cuda" and reason is None
-        state = "on" if c.cudagraphs else f"off, {reason}" if reason else f"off on {device.type}"
+        # distributed.strategy and .backend as configured, as the schema reads them for compile.cudagraphs=true:
+        # one process gets the answer its config gets under torchrun.
+        settings = {**graphed_step_settings(cfg), "optim_impl": impl, "precision": precision_}
+        reason = blocker(compiled, **settings) if device.type == "cuda" else None
+        graphed = device.type == "cuda" and reason is None
+        state = "on" if graphed else f"off, {reason}" if reason else f"off on {device.type}"
         why.append(f"compile.cudagraphs=auto: {state}")
-    elif c.cudagraphs and device.type != "cuda":
-        why.append(f"compile.cudagraphs=true has no effect on {device.type}")
-    c.kernels, note = kernels(cfg, device)
+    else:
+        graphed = c.cudagraphs and device.type == "cuda"
+        if c.cudagraphs and device.type != "cuda":
+            why.append(f"compile.cudagraphs=true has no effect on {device.type}")
+    names, note = kernels(cfg, device, compiled, precision_)
     why += [note] if note else []
-    return cfg, why
+    return CompileSwitches(bool(compiled), bool(graphed), tuple(names), tuple(why))
 
 
-def kernels(cfg: Config, device: torch.device) -> tuple[list[str], str | None]:
-    """``compile.kernels`` as a list of names for ``device``, and a note when the choice needs one. ``auto`` leaves
-    out the loss row kernel under fp16 (its weight-gradient sum could overflow unscaled) and under compiled
-    autograd (whose backward graph would keep a second logits buffer; the fused loss keeps none)."""
+def kernels(cfg: Config, device: torch.device, compiled: bool, precision_: str) -> tuple[list[str], str | None]:
+    """``compile.kernels`` as a list of names for ``device``, and a note when the choice needs one; ``compiled`` and
+    ``precision_``: ``compile.enabled`` and ``train.precision`` as resolved. ``auto`` leaves out the loss row kernel
+    under fp16 (its weight-gradient sum could overflow unscaled) and under compiled autograd (whose backward graph
+    would keep a second logits buffer; the fused loss keeps none)."""
     from trainer.compile.capture import resolve_kernels
 
     c = cfg.compile
-    kernels = resolve_kernels(c.kernels, device.type)
-    if not (c.enabled or c.autograd):
+    names = resolve_kernels(c.kernels, device.type)
+    if not (compiled or c.autograd):
         return [], (
-            f"compile.kernels={c.kernels} has no effect without compile" if kernels and c.kernels != "auto" else None
+            f"compile.kernels={c.kernels} has no effect without compile" if names and c.kernels != "auto" else None
         )
-    if c.kernels == "auto" and (cfg.train.precision == "fp16" or c.autograd):
-        kernels = [k for k in kernels if k != "cross_entropy"]
-    if cfg.distributed.cp > 1 and "causal_attention" in kernels:
-        kernels = [k for k in kernels if k != "causal_attention"]
-        return kernels, (
+    if c.kernels == "auto" and (precision_ == "fp16" or c.autograd):
+        names = [k for k in names if k != "cross_entropy"]
+    if cfg.distributed.cp > 1 and "causal_attention" in names:
+        names = [k for k in names if k != "causal_attention"]
+        return names, (
             "compile.kernels: causal_attention steps aside under distributed.cp: ring attention takes the causal "
             "attention call as trainer's context parallel makes it (is_causal, no mask, the key/value heads repeated)"
         )
-    return kernels, None
+    return names, None
 
 
 def _ranks(n: int) -> str:
@@ -467,30 +511,31 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
         ConfigError: a ``train.global_batch_size`` that these ranks cannot split (:func:`derive_grad_accum`).
     """
     device = env.device
-    resolved, compile_why = compile_switches(cfg, device)
     t, d = cfg.train, cfg.distributed
     strategy, mesh_notes = Strategy.with_notes(cfg, env)
     batch = global_batch(t, strategy.dp_ranks, saved)
+    resolved = copy.deepcopy(cfg)  # the config as given, but for the global batch it carries
     resolved.train.grad_accum = batch.grad_accum
     if batch.choice is not None:  # derived: the config carries the global batch it keeps
         resolved.train.global_batch_size = batch.sequences
+    prec = precision(t.precision, device)
+    impl, impl_why = optim_impl(cfg, device, strategy, prec)
+    switches = compile_switches(cfg, device, prec, impl)
     choices = []
     if t.device == "auto":
         choices.append(f"train.device=auto: {device} ({'CUDA is available' if device.type == 'cuda' else 'no CUDA'})")
     if env.backend is not None and d.backend == "auto":
         choices.append(f"distributed.backend=auto: {env.backend} (for {device.type})")
-    prec = precision(t.precision, device)
     if t.precision == "auto":
         why = "bf16 autocast on CUDA" if prec == "bf16" else f"on {device.type}"
         choices.append(f"train.precision=auto: {prec} ({why})")
-    choices += compile_why + mesh_notes
+    choices += [*switches.why, *mesh_notes]
     choices += [batch.choice] if batch.choice else []
     pdt = param_dtype(d.param_dtype, prec) if strategy.fsdp else "fp32"
     if strategy.fsdp and d.param_dtype == "auto":
         choices.append(f"distributed.param_dtype=auto: {pdt} (train.precision's)")
-    impl, why = optim_impl(cfg, device, strategy, prec)
     if cfg.optim.impl == "auto":
-        choices.append(f"optim.impl=auto: {impl} ({why})")
+        choices.append(f"optim.impl=auto: {impl} ({impl_why})")
     from trainer.data import token_dtype
 
     ddtype, why = token_dtype(cfg.data.path, cfg.data.dtype)
@@ -515,6 +560,9 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
         attention=attention,
         checkpointing=t.activation_checkpointing,
         batch=batch,
+        compiled=switches.compiled,
+        graphed=switches.graphed,
+        kernels=switches.kernels,
         choices=tuple(choices),
         rank=env.rank,
         **_device_facts(device),

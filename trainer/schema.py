@@ -390,7 +390,7 @@ class Config:
         if self.compile.cudagraphs is True:
             from trainer.compile.graphed import unmet_requirement
 
-            problem = unmet_requirement(self)
+            problem = unmet_requirement(**graphed_step_settings(self))
             if problem:
                 raise ConfigError(problem)
         if self.compile.autograd and self.distributed.strategy == "fsdp":
@@ -414,6 +414,25 @@ class Config:
         if m.attention != "auto" and (m.target is not None or m.hf is not None):
             which = "model.target" if m.target is not None else "model.hf"
             raise ConfigError(f"model.attention: applies to the built-in GPT only; drop it with {which}")
+
+
+def graphed_step_settings(cfg: Config) -> dict:
+    """What the graphed step's requirements read (:func:`trainer.compile.graphed.requirements`), as the config gives
+    them; :func:`trainer.plan.resolve` puts what it resolved in their place (the optimizer, the precision)."""
+    c, d = cfg.compile, cfg.distributed
+    return {
+        "strategy": d.strategy,
+        "backend": d.backend,
+        "optim_impl": cfg.optim.impl,
+        "optim_name": cfg.optim.name,
+        "precision": cfg.train.precision,
+        "on_nan": cfg.train.on_nan,
+        "autograd": c.autograd,
+        "dynamic": c.dynamic,
+        "mode": c.mode,
+        "inductor_options": dict(c.inductor_options),
+        "shard_optimizer": d.shard_optimizer,
+    }
 
 
 def _check_shard_optimizer(cfg: Config) -> None:

@@ -197,12 +197,6 @@ def resolve_kernels(value, device_type: str) -> list[str]:
     return [k for k in KERNEL_NAMES if k in value]
 
 
-def enabled_kernels(cfg) -> tuple[str, ...]:
-    """The kernels a compile section (``cfg``) substitutes: its list once :func:`trainer.plan.compile_switches` has
-    resolved ``compile.kernels`` for the device; none before."""
-    return tuple(cfg.kernels) if isinstance(cfg.kernels, list | tuple) else ()
-
-
 class LossOnly(nn.Module):
     """What the trainer calls: the model's forward and the loss picked from its output, so that whatever else the
     model returns (nanoGPT's logits) is dead in the compiled graph."""
@@ -217,13 +211,22 @@ class LossOnly(nn.Module):
         return loss_of(self.model(idx, targets, *positions))  # positions: context parallel's
 
 
-def apply_compile(model: nn.Module, cfg, say=None, backend=None, hooks_outside: bool = False) -> nn.Module:
-    """Compile ``model`` as ``cfg`` (the ``compile`` config section) says; returns the module to call.
+def apply_compile(
+    model: nn.Module,
+    cfg,
+    say=None,
+    backend=None,
+    hooks_outside: bool = False,
+    kernels: Iterable[str] = (),
+) -> nn.Module:
+    """Compile ``model`` as ``cfg`` (the ``compile`` config section: its capture options) says; returns the module to
+    call.
 
-    ``hooks_outside`` (``scope: blocks`` only) compiles each block's ``forward`` instead of its
-    ``__call__``, so module hooks (FSDP's) run outside the graph. ``backend``, a Dynamo backend
-    callable, replaces ``cfg.backend``/``cfg.mode`` (the distributed layer passes its graph
-    splitter, which applies them to each piece).
+    ``kernels``: the names of trainer's kernels to substitute into each graph (``compile.kernels`` as the plan
+    resolved it: :attr:`trainer.plan.Plan.kernels`; none by default). ``hooks_outside`` (``scope: blocks`` only)
+    compiles each block's ``forward`` instead of its ``__call__``, so module hooks (FSDP's) run outside the graph.
+    ``backend``, a Dynamo backend callable, replaces ``cfg.backend``/``cfg.mode`` and ``kernels`` (the distributed
+    layer passes its graph splitter, which applies them to each piece).
 
     With ``scope: model`` the returned module is the ``torch.compile`` wrapper of :class:`LossOnly` around the
     model (which returns the loss alone); with ``scope: blocks`` the model itself, its blocks compiled in place and,
@@ -231,9 +234,7 @@ def apply_compile(model: nn.Module, cfg, say=None, backend=None, hooks_outside: 
     for an option that cannot take effect (default: :func:`trainer.console.info`).
     """
     say = say or console.info
-    kwargs = compile_kwargs(
-        cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options), enabled_kernels(cfg)
-    )
+    kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options), kernels)
     if backend is not None:
         kwargs.pop("options", None)  # the splitter applies them (and the kernels) to each piece
         kwargs["backend"] = backend

@@ -38,61 +38,95 @@ Not supported (refused by the config): fp16 with a grad scaler (its skip-step lo
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
 
-def _requirements(cfg) -> list[tuple[bool, str, str]]:
-    """``(unmet, key, what it needs)`` for each thing the graphed step needs of a config."""
-    from trainer.compile.capture import inductor_options
+def requirements(
+    *,
+    strategy: str,
+    backend: str,
+    optim_impl: str,
+    optim_name: str,
+    precision: str,
+    on_nan: str,
+    autograd: bool,
+    dynamic: bool | None,
+    mode: str,
+    inductor_options: dict | None,
+    shard_optimizer: bool,
+) -> list[tuple[bool, str, object, str]]:
+    """``(unmet, key, value, what it needs)`` for each thing the graphed step needs of a run.
 
-    c, d = cfg.compile, cfg.distributed
-    inductor_graphs = bool(inductor_options(c.mode, dict(c.inductor_options)).get("triton.cudagraphs"))
+    Args:
+        strategy: ``distributed.strategy`` as configured (none, ddp or fsdp).
+        backend: ``distributed.backend`` as configured (auto, nccl or gloo).
+        optim_impl: ``optim.impl``.
+        optim_name: ``optim.name``.
+        precision: ``train.precision``.
+        on_nan: ``train.on_nan``.
+        autograd: ``compile.autograd``.
+        dynamic: ``compile.dynamic``.
+        mode: ``compile.mode``.
+        inductor_options: ``compile.inductor_options``.
+        shard_optimizer: ``distributed.shard_optimizer``.
+    """
+    from trainer.compile.capture import inductor_options as options_of
+
+    inductor_graphs = bool(options_of(mode, dict(inductor_options or {})).get("triton.cudagraphs"))
     return [
-        (d.strategy == "fsdp", "distributed.strategy", "none or ddp (FSDP2's hooks run Python)"),
+        (strategy == "fsdp", "distributed.strategy", strategy, "none or ddp (FSDP2's hooks run Python)"),
         (
-            d.strategy == "ddp" and d.backend == "gloo",
+            strategy == "ddp" and backend == "gloo",
             "distributed.backend",
+            backend,
             "auto or nccl (gloo stages CUDA tensors through the host: nothing a graph can capture)",
         ),
-        (cfg.optim.impl not in ("auto", "fused", "foreach", "triton"), "optim.impl", "auto, fused, foreach or triton"),
-        (cfg.train.on_nan == "skip", "train.on_nan", "stop (the update happens inside the graph)"),
-        (cfg.train.precision == "fp16", "train.precision", "bf16 or fp32 (no grad scaler in the graph)"),
-        (c.autograd, "compile.autograd", "false"),
-        (c.dynamic is True, "compile.dynamic", "false or null (a graph has static shapes)"),
+        (
+            optim_impl not in ("auto", "fused", "foreach", "triton"),
+            "optim.impl",
+            optim_impl,
+            "auto, fused, foreach or triton",
+        ),
+        (on_nan == "skip", "train.on_nan", on_nan, "stop (the update happens inside the graph)"),
+        (precision == "fp16", "train.precision", precision, "bf16 or fp32 (no grad scaler in the graph)"),
+        (autograd, "compile.autograd", autograd, "false"),
+        (dynamic is True, "compile.dynamic", dynamic, "false or null (a graph has static shapes)"),
         (
             inductor_graphs,  # compile.mode's options, compile.inductor_options over them
             "compile.mode",
+            mode,
             "default or max-autotune-no-cudagraphs, and no compile.inductor_options.triton.cudagraphs=true "
             "(Inductor's own CUDA graphs cannot nest in the step's graph)",
         ),
-        (cfg.optim.name == "sgd", "optim.name", "adamw or adam (torch's SGD has no capturable mode)"),
+        (optim_name == "sgd", "optim.name", optim_name, "adamw or adam (torch's SGD has no capturable mode)"),
         (
-            d.shard_optimizer and d.strategy == "ddp",
+            shard_optimizer and strategy == "ddp",
             "distributed.shard_optimizer",
+            shard_optimizer,
             "false (the sharded step's collectives and learning rate are not captured)",
         ),
     ]
 
 
-def unmet_requirement(cfg) -> str | None:
-    """What a config (:class:`trainer.config.Config`) lacks for ``compile.cudagraphs=true``, as an error message;
-    None if nothing."""
-    return next((f"compile.cudagraphs: needs {key}={needs}" for unmet, key, needs in _requirements(cfg) if unmet), None)
+def unmet_requirement(**settings) -> str | None:
+    """What a run lacks for ``compile.cudagraphs=true``, as an error message; None if nothing. ``settings``: the
+    keyword arguments of :func:`requirements`."""
+    unmet = (f"compile.cudagraphs: needs {key}={needs}" for bad, key, _, needs in requirements(**settings) if bad)
+    return next(unmet, None)
 
 
-def blocker(cfg) -> str | None:
-    """Why ``compile.cudagraphs=auto`` leaves the graphed step off for a config, in a few words; None if nothing
-    does (the device aside)."""
-    if cfg.compile.enabled is not True:
+def blocker(compiled: bool, **settings) -> str | None:
+    """Why ``compile.cudagraphs=auto`` leaves the graphed step off, in a few words; None if nothing does (the device
+    aside). ``compiled``: ``compile.enabled`` as resolved; ``settings``: the keyword arguments of
+    :func:`requirements`."""
+    if not compiled:
         return "compile.enabled=false"
-    unmet = next(((key, needs) for bad, key, needs in _requirements(cfg) if bad), None)
+    unmet = next(((key, value, needs) for bad, key, value, needs in requirements(**settings) if bad), None)
     if unmet is None:
         return None
-    key, needs = unmet
-    value = functools.reduce(getattr, key.split("."), cfg)
+    key, value, needs = unmet
     return f"{key}={str(value).lower() if isinstance(value, bool) else value} (needs {needs})"
 
 
