@@ -221,7 +221,7 @@ def test_soak_checks_each_series_for_drift():
 
     from scripts.soak import analyse
 
-    a = argparse.Namespace(minutes=5.0, eval_every=25)
+    a = argparse.Namespace(minutes=5.0, eval_every=25, tiny=False)
     steady = analyse(a, _soak_run())
     assert steady["ok"] and all(c["ok"] for c in steady["checks"].values()), steady["checks"]
     assert steady["restart"]["resumed_from_step"] == 70 and steady["restart"]["steps_run_again"] == 4
@@ -239,6 +239,10 @@ def test_soak_checks_each_series_for_drift():
         assert [k for k, c in checks.items() if c["ok"] is False] == [name], (name, checks)
     slow = analyse(a, failing["step_time"])["checks"]["step_time"]
     assert abs(slow["change_pct"] - 3.0) < 1e-9
+    tiny = argparse.Namespace(**{**vars(a), "tiny": True})  # --tiny on shared CPU cores: a quarter, not 2%
+    assert analyse(tiny, failing["step_time"])["checks"]["step_time"]["ok"]
+    leak = _soak_run(step_s=lambda t: 0.13 if t >= 240 else 0.1)
+    assert analyse(tiny, leak)["checks"]["step_time"]["ok"] is False
 
 
 def test_soak_refuses_bad_arguments(capsys):
