@@ -230,10 +230,23 @@ def pytest_unconfigure(config):
         shutil.rmtree(_MADE_CACHE, ignore_errors=True)
 
 
+def slow_tests() -> dict[str, float]:
+    """``{node id: seconds}`` of tests/slow.txt: the tests of 5 s or more on 2 CPU cores (scripts/slow_tests.py)."""
+    rows = (line.split(maxsplit=1) for line in (ROOT / "tests" / "slow.txt").read_text().splitlines())
+    return {r[1].strip(): float(r[0]) for r in rows if len(r) == 2 and not r[0].startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     n_gpu = torch.cuda.device_count() if has_cuda else 0
-    if n_gpu >= 2:  # the multi-GPU tests take a minute or more each: started first, none is left for the end
+    slow = slow_tests()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+    # The longest first, so that no worker is left with a long test at the end; the multi-GPU tests (a minute or
+    # more each) before all where they run.
+    items.sort(key=lambda item: -slow.get(item.nodeid, 0.0))
+    if n_gpu >= 2:
         items.sort(key=lambda item: "multi_gpu" not in item.keywords)
     for item in items:
         if "gpu" in item.keywords and not has_cuda:

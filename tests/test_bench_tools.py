@@ -323,3 +323,26 @@ def test_parity_warmup_gives_both_sides_the_same_schedule(tmp_path, monkeypatch)
     assert max(abs(u - o) for u, o in zip(user, ours, strict=True)) < 1e-4
     flat = user_losses(Namespace(**{**vars(a), "warmup": 0}))
     assert user[0] == pytest.approx(flat[0]) and abs(user[1] - flat[1]) > 1e-3  # step 1 at lr/4: a different step 2
+
+
+def test_slow_tests_lists_what_the_quick_run_leaves_out(tmp_path):
+    """scripts/slow_tests.py adds each test's setup, call and teardown, lists those at the threshold or above
+    (longest first) but the ones it keeps in the quick run, and conftest reads the list back."""
+    from scripts.slow_tests import KEEP, main
+    from tests.conftest import slow_tests
+
+    keep = next(iter(KEEP))
+    log = tmp_path / "log"
+    log.write_text(
+        "============ slowest durations ============\n"
+        "4.00s call     tests/a.py::test_one\n1.50s setup    tests/a.py::test_one\n"
+        "9.00s call     tests/b.py::test_two[x-1]\n3.00s call     tests/a.py::test_fast\n"
+        f"30.00s call     {keep}\n"
+    )
+    out = tmp_path / "slow.txt"
+    assert main([str(log), "--out", str(out)]) == 0
+    assert out.read_text().splitlines()[1:] == ["9.0 tests/b.py::test_two[x-1]", "5.5 tests/a.py::test_one"]
+    empty = tmp_path / "empty"
+    empty.write_text("no durations here\n")
+    assert main([str(empty), "--out", str(out)]) == 2
+    assert all(name.startswith("tests/test_") and "::test_" in name for name in slow_tests())
