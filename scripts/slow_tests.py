@@ -49,12 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a.log}: no --durations lines (run pytest with --durations=0)", file=sys.stderr)
         return 2
     slow = sorted(((t, n) for n, t in times.items() if t >= a.threshold and n not in KEEP), reverse=True)
-    head = "# seconds node-id: the tests `pytest -m \"not slow\"` leaves out (scripts/slow_tests.py writes this)\n"
+    head = '# seconds node-id: the tests `pytest -m "not slow"` leaves out (scripts/slow_tests.py writes this)\n'
     a.out.write_text(head + "".join(f"{t:.1f} {n}\n" for t, n in slow))
     names = {n for _, n in slow}
     quick = sum(t for n, t in times.items() if n not in names)
-    print(f"{a.out}: {len(slow)} slow tests, {sum(t for t, _ in slow):.0f} s; "
-          f"the quick run {len(times) - len(slow)} tests, {quick:.0f} s (test seconds, summed over workers)")
+    print(
+        f"{a.out}: {len(slow)} slow tests, {sum(t for t, _ in slow):.0f} s; "
+        f"the quick run {len(times) - len(slow)} tests, {quick:.0f} s (test seconds, summed over workers)"
+    )
     return 0
 
 
