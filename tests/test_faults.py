@@ -160,12 +160,14 @@ def test_disk_full_during_a_checkpoint_keeps_the_last_one(tmp_path, capsys, monk
     assert steps == [1, 5, 10, 11, 15, 20, 25, 30]  # the first step logged, log.every=5: increasing, no repeats
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_disk_full_on_one_rank_stops_both_cleanly(tmp_path, rank, device):
+def test_disk_full_on_one_rank_stops_both_cleanly(tmp_path, rank, device, background):
     """Two ranks: ENOSPC on one rank's file of the step-4 checkpoint: both stop with one message naming that
-    file; step 2 stays last."""
-    args = ("train.steps=8", "checkpoint.every=2", f"run.dir={tmp_path}")
+    file; step 2 stays last. Written in the background (checkpoint.async_save), the failure stops both ranks at
+    the next save, each rank's writer having ended."""
+    args = ("train.steps=8", "checkpoint.every=2", f"run.dir={tmp_path}", f"checkpoint.async_save={background}")
     r, seconds = _torchrun(device, *args, fault=f"disk_full:4@{rank}")
     print(f"ENOSPC on rank {rank} ({device}) -> torchrun exited after {seconds:.2f} s (start-up included)")
     assert r.returncode != 0

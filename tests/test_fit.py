@@ -68,18 +68,69 @@ def test_resume_is_bitwise_exact(tmp_path, capsys):
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
-def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, capsys):
-    common = ["train.steps=30", "checkpoint.every=10", "checkpoint.keep=5"]
-    r = _fit_killed(tmp_path, *common, fault="checkpoint_write:20")
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, capsys, background):
+    """SIGKILL between two files of the step-20 checkpoint (with checkpoint.async_save, in the writer thread while
+    the steps go on): step 10 stays last, the torn write is cleaned up by the next start, and the resumed run's
+    losses are an uninterrupted run's."""
+    common = ["train.steps=30", "checkpoint.every=10", "checkpoint.keep=5", "log.every=1", "train.eval_every=0",
+              f"checkpoint.async_save={str(background).lower()}"]  # fmt: skip
+    r = _fit_killed(tmp_path / "run", *common, fault="checkpoint_write:20")
     assert r.returncode == -signal.SIGKILL
-    root = tmp_path / "checkpoints"
+    root = tmp_path / "run" / "checkpoints"
     assert (root / "last").read_text().strip() == "step_000010"
     assert not (root / "step_000020").exists() and (root / ".tmp-step_000020").exists()
-    r = _fit(capsys, tmp_path, *common, "resume=last")
+    r = _fit(capsys, tmp_path / "run", *common, "resume=auto")
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout and "step_000010" in r.stdout
     assert (root / "last").read_text().strip() == "step_000030"
     assert not (root / ".tmp-step_000020").exists()  # the torn write is cleaned up
+    assert _fit(capsys, tmp_path / "straight", *common).returncode == 0
+    a = {x["step"]: x["loss"] for x in _metrics(tmp_path / "straight") if "loss" in x}
+    b = {x["step"]: x["loss"] for x in _metrics(tmp_path / "run") if "loss" in x}
+    assert sorted(b) == list(range(1, 31)) and all(a[k] == b[k] for k in range(11, 31)), (a, b)
+
+
+def _files(checkpoint) -> dict:
+    skip = ("meta.json", "manifest.json")  # the config in meta.json, and so its checksum, differ by the key
+    return {p.name: p.read_bytes() for p in sorted(checkpoint.iterdir()) if p.name not in skip}
+
+
+def test_background_checkpoints_are_those_of_a_synchronous_run(tmp_path, capsys):
+    """checkpoint.async_save: every checkpoint's files are byte for byte a synchronous run's (the copies keep the
+    storages shared, their offsets, the objects met twice), meta.json differs only by the key and the run dir, and
+    last and the pruning are the same."""
+    common = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=3", "train.eval_every=0", "log.every=1"]
+    assert _fit(capsys, tmp_path / "sync", *common).returncode == 0
+    r = _fit(capsys, tmp_path / "async", *common, "checkpoint.async_save=true")
+    assert r.returncode == 0, r.stderr
+    sync, background = tmp_path / "sync/checkpoints", tmp_path / "async/checkpoints"
+    names = sorted(p.name for p in sync.iterdir())
+    assert names == ["last", "step_000004", "step_000006", "step_000008"]
+    assert names == sorted(p.name for p in background.iterdir())
+    assert (background / "last").read_text() == (sync / "last").read_text()
+    for name in names[1:]:
+        assert _files(sync / name) == _files(background / name), name
+        a, b = (json.loads((d / name / "meta.json").read_text()) for d in (sync, background))
+        assert a["config"]["checkpoint"].pop("async_save") is False and b["config"]["checkpoint"].pop("async_save")
+        a["config"]["run"].pop("dir"), b["config"]["run"].pop("dir")
+        assert a == b, name
+    losses = [[x["loss"] for x in _metrics(tmp_path / d) if "loss" in x] for d in ("sync", "async")]
+    assert losses[0] == losses[1]
+
+
+def test_async_save_under_fsdp_is_refused_naming_the_key():
+    """The background write is the one-file format's: under fsdp (DCP, every rank's shards) the plan refuses it."""
+    from trainer import plan
+    from trainer.config import ConfigError, load_config
+    from trainer.distributed.env import DistEnv
+
+    two = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend="gloo")
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=fsdp", "checkpoint.async_save=true"])
+    with pytest.raises(ConfigError, match="checkpoint.async_save=true: the background write is the one-file"):
+        plan.resolve(cfg, two)
+    ddp = load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=ddp", "checkpoint.async_save=true"])
+    assert plan.resolve(ddp, two).strategy.ddp
 
 
 def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys, monkeypatch):

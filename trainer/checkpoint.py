@@ -37,6 +37,8 @@ import json
 import os
 import shutil
 import signal
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +78,10 @@ SHAPE_KEYS = [
     "data.seq_len",
     "optim.name",
 ]
+
+
+# How long the main rank's background writer waits for another rank's files (torch's default collective timeout).
+MARKER_WAIT_S = 600.0
 
 
 class CheckpointWriteError(TrainingError):
@@ -433,6 +439,137 @@ def compare_configs(saved: dict, current: dict, path: Path) -> list[str]:
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+class Stager:
+    """Copies a snapshot's tensors to host memory, so that training may change the originals while a thread
+    writes the copies. Each storage is copied whole, once, and the tensors are rebuilt on the copies with their
+    offsets and strides: tensors that shared a storage still do (tied weights, views of one buffer), and the files
+    written are those the originals would give. On CUDA the copies go to pinned buffers kept from one save to the
+    next (the states keep their storages), with one synchronize for all of them; on the CPU they are clones.
+    Containers are rebuilt, other values kept (training does not change them in place)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._pinned: dict[tuple[int, int], torch.UntypedStorage] = {}  # (device address, bytes) -> host buffer
+
+    def stage(self, obj: Any) -> Any:
+        copies: dict = {}  # this snapshot's storages (by device and address) and objects (by id), each copied once
+        out = self._copy(obj, copies)
+        if self.cuda:
+            torch.cuda.synchronize()  # the non-blocking copies into the pinned buffers are complete
+            # The buffers of storages this snapshot no longer has are freed.
+            used = {id(s) for key, s in copies.items() if isinstance(key, tuple)}
+            self._pinned = {k: v for k, v in self._pinned.items() if id(v) in used}
+        return out
+
+    def _storage(self, t: torch.Tensor, copies: dict) -> torch.UntypedStorage:
+        src = t.untyped_storage()
+        key = (src.device.type, src.data_ptr())
+        if key in copies:
+            return copies[key]
+        if src.device.type == "cpu" or not self.cuda:
+            copy = src.clone()
+        else:
+            buf_key = (src.data_ptr(), src.nbytes())
+            copy = self._pinned.get(buf_key)
+            if copy is None:
+                copy = self._pinned[buf_key] = torch.empty(
+                    src.nbytes(), dtype=torch.uint8, pin_memory=True
+                ).untyped_storage()
+            copy.copy_(src, non_blocking=True)
+        copies[key] = copy
+        return copy
+
+    def _copy(self, obj: Any, copies: dict) -> Any:
+        """``obj`` with its tensors on the copies; an object met twice is copied once (as pickle writes it once:
+        the param groups' shared betas, a tensor under two names)."""
+        if id(obj) in copies:
+            return copies[id(obj)][1]
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            out = torch.empty((), dtype=t.dtype).set_(
+                self._storage(t, copies), t.storage_offset(), t.size(), t.stride()
+            )
+        elif isinstance(obj, dict):
+            out = type(obj)((k, self._copy(v, copies)) for k, v in obj.items())
+            if attrs := getattr(obj, "__dict__", None):  # a state dict's _metadata (its modules' versions)
+                out.__dict__.update(self._copy(attrs, copies))
+        elif isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            out = type(obj)(self._copy(v, copies) for v in obj)
+        else:
+            return obj
+        copies[id(obj)] = (obj, out)  # the original kept alive, so that its id is not reused during the copy
+        return out
+
+
+class _BackgroundSave:
+    """One checkpoint written by a thread on every rank (:class:`Checkpointer` with ``background``).
+
+    The temporary directory is made at once (every rank waits for it); then each rank's thread writes its files
+    and a marker saying whether they were written. The main rank's thread waits for every rank's marker, then
+    publishes the checkpoint as :func:`save` does (manifest, rename, ``last``, prune), with no collective, so the
+    step's collectives are never interleaved with a checkpoint's. :meth:`join` gathers every rank's result."""
+
+    def __init__(self, owner: Checkpointer, step: int, snapshot: dict[str, Any]):
+        self.owner, self.step, env = owner, step, owner.env
+        name = checkpoint_name(step)
+        self.final, self.tmp = owner.root / name, owner.root / f".tmp-{name}"
+        failed = _attempt(_make_empty, self.tmp, rank=env.rank) if env.is_main else None
+        _stop_if_failed(every_rank(failed, env), step, owner.root, self.tmp if env.is_main else None)
+        self.failed: tuple[str, int | None, int] | None = None
+        self.published: Path | None = None
+        self.thread = threading.Thread(target=self._run, args=(snapshot,), name=f"checkpoint-{name}", daemon=True)
+        self.thread.start()
+
+    def _marker(self, rank: int) -> Path:
+        return self.tmp / f".written-rank{rank}"
+
+    def _run(self, snapshot: dict[str, Any]) -> None:
+        env = self.owner.env
+        try:
+            self.failed = _attempt(functools.partial(self.owner._write, snapshot, self.step), self.tmp, rank=env.rank)
+            if not env.is_main:
+                atomic_write_text(self._marker(env.rank), json.dumps(self.failed))
+                return
+            if self.failed is None:
+                self.failed = self._others_failed()
+            if self.failed is None:
+                for r in range(env.world_size):
+                    self._marker(r).unlink(missing_ok=True)
+                self.failed = _attempt(_publish, self.tmp, self.final, rank=env.rank)
+            if self.failed is None:
+                self.published = self.final
+                _prune(self.owner.root, self.owner.keep)
+                if fault_point("damage_checkpoint", self.step, env.rank):
+                    _cut_largest_file(self.final)
+        except BaseException as e:  # noqa: BLE001 - said on every rank by join(), not lost in the thread
+            self.failed = (f"{type(e).__name__}: {e}", None, env.rank)
+
+    def _others_failed(self) -> tuple[str, int | None, int] | None:
+        """The first other rank's failure, once every rank's marker is there (polled: no collective)."""
+        env = self.owner.env
+        deadline = time.monotonic() + MARKER_WAIT_S
+        for r in range(1, env.world_size):
+            while not self._marker(r).exists():
+                if time.monotonic() > deadline:
+                    return f"rank {r} did not finish writing its files", None, r
+                time.sleep(0.02)
+            if (failed := json.loads(self._marker(r).read_text())) is not None:
+                return tuple(failed)
+        return None
+
+    def join(self) -> Path | None:
+        started = time.monotonic()
+        self.thread.join(5.0)
+        if self.thread.is_alive():
+            console.info(f"waiting for the checkpoint of step {self.step} to be written in the background")
+            self.thread.join()
+        waited, env = time.monotonic() - started, self.owner.env
+        _stop_if_failed(every_rank(self.failed, env), self.step, self.owner.root, self.tmp if env.is_main else None)
+        if waited > 5.0 and env.is_main:
+            console.info(f"  written after {waited:.0f} s more")
+        return self.published
+
+
 class Checkpointer:
     """A run's checkpoints: its states saved by every rank together, atomically, and loaded on resume.
 
@@ -447,6 +584,9 @@ class Checkpointer:
             with the checkpoint's.
         keep: how many complete checkpoints to keep (the newest).
         beside: files kept beside the checkpoints (:class:`SideFiles`), saved with each and loaded on resume.
+        background: write the files in a thread (``checkpoint.async_save``, the one-file format): :meth:`save`
+            returns once the states are copied to host memory (:class:`Stager`); ``last`` moves when every rank's
+            files are written, and :meth:`wait` (the next save, the run's end) raises a failure on every rank.
     """
 
     def __init__(
@@ -459,24 +599,60 @@ class Checkpointer:
         config: dict,
         keep: int,
         beside: Sequence[SideFiles] = (),
+        background: bool = False,
     ):
         assert set(states) <= {*DCP_KEYS, *OPTIM_KEYS, "train", "sampler", "rng"}, f"no place for {sorted(states)}"
+        assert not (background and storage.sharded), "a background write needs the one-file format"
         self.states, self.storage, self.root, self.env = states, storage, run_dir / "checkpoints", env
-        self.config, self.keep, self.beside = config, keep, beside
+        self.config, self.keep, self.beside, self.background = config, keep, beside, background
+        self._stager = Stager(env.device)
+        self._pending: _BackgroundSave | None = None
         self.last: Path | None = None  # the newest checkpoint this process wrote
         self.resumed: Path | None = None  # the checkpoint this run resumed from
 
     def save(self, step: int) -> Path:
-        """Write the checkpoint of ``step`` (every rank calls this) and move ``last`` to it."""
+        """Write the checkpoint of ``step`` (every rank calls this) and move ``last`` to it; in the background
+        (``background``), the previous background write first waited for."""
+        self.wait()
         # Every rank takes every state dict: one may be a collective (the sharded optimizer gathers its state).
         sharded = DCP_KEYS if self.storage.sharded else {}
         snapshot = {name: state.state_dict() for name, state in self.states.items() if name not in sharded}
+        if self.env.is_main:
+            for files in self.beside:  # beside the checkpoints, not in one: written now, in either mode
+                files.save(self.root)
+        if self.background:
+            self._pending = _BackgroundSave(self, step, self._stager.stage(snapshot))
+            return self.root / checkpoint_name(step)
         self.last = save(self.root, step, functools.partial(self._write, snapshot, step), self.env, self.keep)
         return self.last
 
+    def wait(self) -> Path | None:
+        """Wait for the background write in flight, if any (every rank calls this at the same point: the next
+        save, the run's end, a stop): ``last`` names it once this returns. Returns the checkpoint it published,
+        or None with none in flight.
+
+        Raises:
+            CheckpointWriteError: on every rank, when a rank could not write it (``last`` unchanged).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        published = pending.join()
+        if published is not None:
+            self.last = published
+        return published
+
+    def abandon(self, timeout_s: float = 60.0) -> None:
+        """After a failure elsewhere: let this rank's background write end (up to ``timeout_s``), with no
+        collective; a checkpoint whose every rank finished is published, one that did not stays a temporary
+        directory that the next start removes."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.thread.join(timeout_s)
+
     def _write(self, snapshot: dict[str, Any], step: int, directory: Path) -> None:
         """This rank's files of the checkpoint of ``step`` in ``directory``: its RNG state, its DCP shards; on the
-        main rank the side files, then ``model.pt``, ``optim.pt`` and ``meta.json``."""
+        main rank ``model.pt``, ``optim.pt`` and ``meta.json``."""
         rank, main = self.env.rank, self.env.is_main
         disk_full = fault_point("disk_full", step, rank)
         _save_file(snapshot["rng"], directory / f"rng_rank{rank}.pt", disk_full and not main)
@@ -484,8 +660,6 @@ class Checkpointer:
             _save_shards(self.states, directory / DCP_DIR)
         if not main:
             return
-        for files in self.beside:
-            files.save(self.root)
         if "model" in snapshot:
             _save_file(snapshot["model"], directory / "model.pt")
         fault_point("checkpoint_write", step)  # between two files: the checkpoint is incomplete

@@ -80,7 +80,8 @@ class Trainer:
         scaler = build.grad_scaler(resolved.autocast, env.device)
         states = run_states(raw_model, opt, sched, scaler, batches, lr=cfg.optim.lr, device=env.device)
         storage, sides = DCP if resolved.strategy.fsdp else TORCH_SAVE, [CompileCache()] if compiling else []
-        ckpts = Checkpointer(states, storage, run_dir, env, config=record, keep=cfg.checkpoint.keep, beside=sides)
+        ckpts = Checkpointer(states, storage, run_dir, env, config=record, keep=cfg.checkpoint.keep, beside=sides,
+                             background=cfg.checkpoint.async_save)  # fmt: skip
         progress = ckpts.begin(start)  # the step and tokens seen: resumed (resume=auto: if there is a checkpoint), or 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
@@ -126,10 +127,15 @@ class Trainer:
                 if due.evaluate or due.save:
                     log.timer.restart()  # evaluation and saving are not training time
                 if due.stop:
+                    ckpts.wait()  # a background write: written before the stop says so
                     saved = f"checkpoint saved: {ckpts.last}" if due.save else "checkpoint.enabled=false: nothing saved"
                     console.warn(f"stopped {due.stop} at step {step}; {saved}")  # short of train.steps
                     break
             log.write(log.read())
+            ckpts.wait()
+        except BaseException:
+            ckpts.abandon()  # this rank's background write ends; no collective with ranks that may be gone
+            raise
         finally:
             if watcher is not None:
                 watcher.stop(report=run_dir / "compile_report.json" if env.is_main else None)

@@ -323,6 +323,10 @@ class CheckpointConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep: int = _f(3, gt=0)
     """Keep the newest N checkpoints."""
+    async_save: bool = False
+    """Write checkpoints in the background: the step waits only for the states' copy to host memory (pinned on
+    CUDA), a thread writes the files, and last moves once every rank's are written; at most one write in flight
+    (the next save, the run's end and a stop wait for it). The one-file format: not under fsdp."""
 
 
 @dataclass(kw_only=True)
