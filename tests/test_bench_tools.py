@@ -346,3 +346,19 @@ def test_slow_tests_lists_what_the_quick_run_leaves_out(tmp_path):
     empty.write_text("no durations here\n")
     assert main([str(empty), "--out", str(out)]) == 2
     assert all(name.startswith("tests/test_") and "::test_" in name for name in slow_tests())
+
+
+def test_bench_checkpoint_counts_the_wait_and_the_steps_after():
+    """scripts/bench_checkpoint.py: a save's cost is the loop's wait (checkpoint_s) plus the excess of the AFTER
+    steps after it over the median step; the first save (the pinned buffers' allocation) is left out."""
+    from scripts.bench_checkpoint import AFTER, analyse
+
+    rows = [{"step": 1, "step_time": 9.0, "first_step_s": 9.0}]
+    rows += [{"step": s, "step_time": 0.1} for s in range(2, 41)]
+    for s in (10, 20, 30):
+        rows[s - 1]["checkpoint_s"] = {10: 5.0, 20: 0.02, 30: 0.04}[s]
+        rows[s]["step_time"] = 0.3  # the step after a save is 0.2 s slower
+    out = analyse(rows, every=10)
+    assert out["median_step_s"] == 0.1 and [c["step"] for c in out["saves"]] == [20, 30] and AFTER >= 1
+    assert [round(c["stall_s"], 6) for c in out["saves"]] == [0.22, 0.24]
+    assert round(out["held_s"], 6) == 0.03 and round(out["stall_s"], 6) == 0.23

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import math
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,15 +116,18 @@ class Trainer:
                 log.launched(step, out, lr, progress.tokens_seen)  # and writes the step before it
                 due = _due(cfg, step, env, signals)
                 if due.evaluate or due.save or due.stop or log.reads_at_once(step):
-                    record = log.read(force=due.evaluate or bool(due.stop))  # now; a stop's step is the last row
+                    # Read now; a stop's step, an evaluation's and a save's each get a row.
+                    record = log.read(force=due.evaluate or due.save or bool(due.stop))
                     if (due.evaluate or due.save) and resolved.strategy.ddp:  # before a checkpoint keeps rank 0's
                         check_replicas(raw_model, env, step, drift=fault_point("replica_drift", step, env.rank))
                     if due.evaluate:  # the first evaluation compiles its own (eval, no-grad) graph: expected
                         with watcher.expect_first("eval") if watcher else contextlib.nullcontext():
                             record["val_loss"] = train_step.evaluate(batches.val_batch, cfg.train.eval_batches)
+                    if due.save:  # the seconds the steps wait for it (with async_save: the copy to host memory)
+                        held = time.perf_counter()
+                        ckpts.save(step)
+                        record["checkpoint_s"] = time.perf_counter() - held
                     log.write(record)
-                if due.save:
-                    ckpts.save(step)
                 if due.evaluate or due.save:
                     log.timer.restart()  # evaluation and saving are not training time
                 if due.stop:
