@@ -119,18 +119,35 @@ def test_background_checkpoints_are_those_of_a_synchronous_run(tmp_path, capsys)
     assert losses[0] == losses[1]
 
 
-def test_async_save_under_fsdp_is_refused_naming_the_key():
-    """The background write is the one-file format's: under fsdp (DCP, every rank's shards) the plan refuses it."""
-    from trainer import plan
-    from trainer.config import ConfigError, load_config
-    from trainer.distributed.env import DistEnv
+def test_background_fsdp_checkpoints_are_those_of_a_synchronous_run(tmp_path):
+    """Under fsdp on 2 gloo ranks, checkpoint.async_save: DCP's shards staged by its stager and written by the
+    threads over a gloo group of their own are byte for byte a synchronous run's (DCP's .metadata differs only by
+    its checkpoint id and random save ids), as are the other files; a resume in one process reads it."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    two = DistEnv(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend="gloo")
-    cfg = load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=fsdp", "checkpoint.async_save=true"])
-    with pytest.raises(ConfigError, match="checkpoint.async_save=true: the background write is the one-file"):
-        plan.resolve(cfg, two)
-    ddp = load_config(ROOT / "configs/tiny.yaml", ["distributed.strategy=ddp", "checkpoint.async_save=true"])
-    assert plan.resolve(ddp, two).strategy.ddp
+    from tests.conftest import torchrun
+
+    def fit(name: str, *extra: str):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
+               "fit", "configs/tiny.yaml", *FAST, "model.n_layer=1", "distributed.strategy=fsdp", "train.steps=4",
+               "checkpoint.every=2", "train.eval_every=0", f"run.dir={tmp_path / name}", *extra]  # fmt: skip
+        r = torchrun(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    fit("sync")
+    fit("async", "checkpoint.async_save=true")
+    for step in ("step_000002", "step_000004"):
+        a, b = tmp_path / "sync/checkpoints" / step, tmp_path / "async/checkpoints" / step
+        names = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+        assert names == sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+        for name in names:
+            if name not in ("meta.json", "manifest.json", "dcp/.metadata"):
+                assert (a / name).read_bytes() == (b / name).read_bytes(), (step, name)
+        ma, mb = (FileSystemReader(str(d / "dcp")).read_metadata() for d in (a, b))
+        assert ma.state_dict_metadata == mb.state_dict_metadata and ma.storage_data == mb.storage_data
+    r = run_cli("fit", "configs/tiny.yaml", *FAST, "model.n_layer=1", "train.steps=5", "train.eval_every=0",
+                f"run.dir={tmp_path / 'async'}", "checkpoint.async_save=true", "resume=last")  # fmt: skip
+    assert r.returncode == 0 and "resumed from" in r.stdout and "step_000004" in r.stdout, r.stderr[-3000:]
 
 
 def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys, monkeypatch):

@@ -509,12 +509,14 @@ class _BackgroundSave:
     publishes the checkpoint as :func:`save` does (manifest, rename, ``last``, prune), with no collective, so the
     step's collectives are never interleaved with a checkpoint's. :meth:`join` gathers every rank's result."""
 
-    def __init__(self, owner: Checkpointer, step: int, snapshot: dict[str, Any]):
+    def __init__(self, owner: Checkpointer, step: int, snapshot: dict[str, Any], shards: _ShardWriter | None):
         self.owner, self.step, env = owner, step, owner.env
         name = checkpoint_name(step)
         self.final, self.tmp = owner.root / name, owner.root / f".tmp-{name}"
         failed = _attempt(_make_empty, self.tmp, rank=env.rank) if env.is_main else None
         _stop_if_failed(every_rank(failed, env), step, owner.root, self.tmp if env.is_main else None)
+        # DCP's shards: staged now (the copies to host memory), written by the thread.
+        self.shards = shards.stage(owner.states, self.tmp / DCP_DIR) if shards is not None else None
         self.failed: tuple[str, int | None, int] | None = None
         self.published: Path | None = None
         self.thread = threading.Thread(target=self._run, args=(snapshot,), name=f"checkpoint-{name}", daemon=True)
@@ -526,7 +528,8 @@ class _BackgroundSave:
     def _run(self, snapshot: dict[str, Any]) -> None:
         env = self.owner.env
         try:
-            self.failed = _attempt(functools.partial(self.owner._write, snapshot, self.step), self.tmp, rank=env.rank)
+            write = functools.partial(self.owner._write, snapshot, self.step, shards=self.shards)
+            self.failed = _attempt(write, self.tmp, rank=env.rank)
             if not env.is_main:
                 atomic_write_text(self._marker(env.rank), json.dumps(self.failed))
                 return
@@ -570,6 +573,34 @@ class _BackgroundSave:
         return self.published
 
 
+class _ShardWriter:
+    """DCP's shards of a background write: the model's and optimizer's state dicts (DTensors) copied to host memory
+    by DCP's stager (pinned on CUDA, its buffers reused), then written by ``dcp.save`` in the writing thread over a
+    gloo group of its own (:func:`trainer.distributed.env.background_group`)."""
+
+    def __init__(self, env: DistEnv):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        from trainer.distributed.env import background_group
+
+        self.cuda = cuda = env.device.type == "cuda"
+        self.group = background_group(env)
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))  # fmt: skip
+
+    def stage(self, states: dict[str, Stateful], directory: Path) -> Callable[[], None]:
+        """Copy the shards now; returns the write, for the thread."""
+        import torch.distributed.checkpoint as dcp
+
+        staged = self.stager.stage({key: states[name].named().state_dict() for name, key in DCP_KEYS.items()})
+        if self.cuda:
+            torch.cuda.synchronize()  # the stager's non-blocking copies are complete before training goes on
+        return functools.partial(dcp.save, staged, checkpoint_id=str(directory), process_group=self.group)
+
+    def close(self) -> None:
+        self.stager.close()
+
+
 class Checkpointer:
     """A run's checkpoints: its states saved by every rank together, atomically, and loaded on resume.
 
@@ -602,11 +633,11 @@ class Checkpointer:
         background: bool = False,
     ):
         assert set(states) <= {*DCP_KEYS, *OPTIM_KEYS, "train", "sampler", "rng"}, f"no place for {sorted(states)}"
-        assert not (background and storage.sharded), "a background write needs the one-file format"
         self.states, self.storage, self.root, self.env = states, storage, run_dir / "checkpoints", env
         self.config, self.keep, self.beside, self.background = config, keep, beside, background
         self._stager = Stager(env.device)
         self._pending: _BackgroundSave | None = None
+        self._shards: _ShardWriter | None = _ShardWriter(env) if background and storage.sharded else None
         self.last: Path | None = None  # the newest checkpoint this process wrote
         self.resumed: Path | None = None  # the checkpoint this run resumed from
 
@@ -621,7 +652,7 @@ class Checkpointer:
             for files in self.beside:  # beside the checkpoints, not in one: written now, in either mode
                 files.save(self.root)
         if self.background:
-            self._pending = _BackgroundSave(self, step, self._stager.stage(snapshot))
+            self._pending = _BackgroundSave(self, step, self._stager.stage(snapshot), self._shards)
             return self.root / checkpoint_name(step)
         self.last = save(self.root, step, functools.partial(self._write, snapshot, step), self.env, self.keep)
         return self.last
@@ -650,13 +681,20 @@ class Checkpointer:
         if pending is not None:
             pending.thread.join(timeout_s)
 
-    def _write(self, snapshot: dict[str, Any], step: int, directory: Path) -> None:
-        """This rank's files of the checkpoint of ``step`` in ``directory``: its RNG state, its DCP shards; on the
-        main rank ``model.pt``, ``optim.pt`` and ``meta.json``."""
+    def close(self) -> None:
+        """Free what the background writes kept (DCP's staging buffers)."""
+        if self._shards is not None:
+            self._shards.close()
+
+    def _write(self, snapshot: dict[str, Any], step: int, directory: Path, shards: Callable | None = None) -> None:
+        """This rank's files of the checkpoint of ``step`` in ``directory``: its RNG state, its DCP shards (written
+        by ``shards`` in a background write); on the main rank ``model.pt``, ``optim.pt`` and ``meta.json``."""
         rank, main = self.env.rank, self.env.is_main
         disk_full = fault_point("disk_full", step, rank)
         _save_file(snapshot["rng"], directory / f"rng_rank{rank}.pt", disk_full and not main)
-        if self.storage.sharded:
+        if shards is not None:
+            shards()
+        elif self.storage.sharded:
             _save_shards(self.states, directory / DCP_DIR)
         if not main:
             return

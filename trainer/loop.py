@@ -141,6 +141,7 @@ class Trainer:
             ckpts.abandon()  # this rank's background write ends; no collective with ranks that may be gone
             raise
         finally:
+            ckpts.close()
             if watcher is not None:
                 watcher.stop(report=run_dir / "compile_report.json" if env.is_main else None)
             metrics.close()  # a failed run's too: a gloo rank then exits without finalizing the interpreter

@@ -519,11 +519,6 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
     if batch.choice is not None:  # derived: the config carries the global batch it keeps
         resolved.train.global_batch_size = batch.sequences
     prec = precision(t.precision, device)
-    if cfg.checkpoint.async_save and cfg.checkpoint.enabled and strategy.fsdp:
-        raise ConfigError(
-            "checkpoint.async_save=true: the background write is the one-file format's, and under fsdp every rank "
-            "writes its shards through DCP; use checkpoint.async_save=false, or distributed.strategy=ddp"
-        )
     impl, impl_why = optim_impl(cfg, device, strategy, prec)
     switches = compile_switches(cfg, device, prec, impl)
     choices = []

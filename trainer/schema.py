@@ -325,8 +325,8 @@ class CheckpointConfig:
     """Keep the newest N checkpoints."""
     async_save: bool = False
     """Write checkpoints in the background: the step waits only for the states' copy to host memory (pinned on
-    CUDA), a thread writes the files, and last moves once every rank's are written; at most one write in flight
-    (the next save, the run's end and a stop wait for it). The one-file format: not under fsdp."""
+    CUDA; under fsdp DCP's stager), a thread on each rank writes the files, and last moves once every rank's are
+    written; at most one write in flight (the next save, the run's end and a stop wait for it)."""
 
 
 @dataclass(kw_only=True)

@@ -218,6 +218,16 @@ def per_rank(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return row
 
 
+def background_group(env: DistEnv):
+    """A gloo process group over every rank for a thread's collectives beside the training's (DCP's planning and
+    gathering in a background checkpoint write): a group of its own, so that the two threads' collectives never
+    interleave on one group (which would pair different collectives across ranks), and gloo, which runs on CPU
+    tensors whatever the device. A collective: every rank calls it at the same point. None for one process."""
+    if not env.distributed:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def every_rank(obj, env: DistEnv) -> list:
     """Every rank's ``obj`` (picklable), in rank order, on every rank (a collective; ``[obj]`` for one process)."""
     if not env.distributed:
