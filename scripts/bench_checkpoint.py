@@ -7,7 +7,8 @@ Each (model, mode) is one ``trainer fit`` in a process of its own, ``log.every=1
 steps. A save's cost is the time the loop waits for it (``checkpoint_s`` in metrics.jsonl: the whole write when
 synchronous; the copy to host memory, and any wait for the previous write, with ``async_save``) plus what the
 steps after it lose (the background writer shares the host: the excess over the median step of the ``AFTER``
-steps that follow). The first save is left out (its pinned buffers are allocated then). Models:
+steps that follow). The wait is in the next step's row (a row is written before its step's checkpoint). The first
+save is left out (its pinned buffers are allocated then). Models:
 
 - ``gpt2-small``: configs/gpt2-small.yaml (GPT-2 124M, 1.5 GB of state);
 - ``llama-1b``: configs/llama-1b.yaml on the embedded bytes (a 256-token vocabulary: about 15 GB of state);
@@ -47,10 +48,11 @@ MODELS = {
 def analyse(rows: list[dict], every: int) -> dict:
     """The saves' costs from one run's metrics rows (``log.every=1``): per save its held and after seconds."""
     times = {r["step"]: r["step_time"] for r in rows if r.get("step_time") is not None and "first_step_s" not in r}
-    saves = sorted(r["step"] for r in rows if r.get("checkpoint_s") is not None)
+    # A row's checkpoint_s is the wait for the save after the row before it: with log.every=1, the previous step's.
+    held = {r["step"] - 1: r["checkpoint_s"] for r in rows if r.get("checkpoint_s") is not None}
+    saves = sorted(held)
     near = {s + i for s in saves for i in range(0, AFTER + 1)}
     median = statistics.median(t for step, t in times.items() if step not in near)
-    held = {r["step"]: r["checkpoint_s"] for r in rows if r.get("checkpoint_s") is not None}
     costs = []
     for s in saves[1:]:  # the first save allocates the pinned buffers
         after = sum(times[s + i] - median for i in range(1, AFTER + 1) if s + i in times)

@@ -356,7 +356,7 @@ def test_bench_checkpoint_counts_the_wait_and_the_steps_after():
     rows = [{"step": 1, "step_time": 9.0, "first_step_s": 9.0}]
     rows += [{"step": s, "step_time": 0.1} for s in range(2, 41)]
     for s in (10, 20, 30):
-        rows[s - 1]["checkpoint_s"] = {10: 5.0, 20: 0.02, 30: 0.04}[s]
+        rows[s]["checkpoint_s"] = {10: 5.0, 20: 0.02, 30: 0.04}[s]  # in the row after the save's step
         rows[s]["step_time"] = 0.3  # the step after a save is 0.2 s slower
     out = analyse(rows, every=10)
     assert out["median_step_s"] == 0.1 and [c["step"] for c in out["saves"]] == [20, 30] and AFTER >= 1

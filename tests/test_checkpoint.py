@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import build, integrity, plan
-from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, CheckpointError, _load_failure
+from trainer import build, plan
+from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, CheckpointError, integrity
+from trainer.checkpoint.checkpointer import _load_failure
+from trainer.checkpoint.states import RNGState, TrainState, run_states
 from trainer.config import load_config, to_dict
 from trainer.data import load_corpus
 from trainer.distributed.env import DistEnv
 from trainer.models import loss_of
-from trainer.state import RNGState, TrainState, run_states
 
 # tests/data/tiny_checkpoint: the step-3 checkpoint of `trainer fit configs/tiny.yaml` with these overrides, on the
 # CPU in one process (commit de538f1), a checkpoint without a manifest. Kept as files: a change to the format
@@ -76,7 +77,7 @@ def test_a_checkpoint_of_the_kept_format_loads(tmp_path, capsys):
     saved_model = torch.load(FIXTURE / "model.pt", weights_only=True)
     saved_optim = torch.load(FIXTURE / "optim.pt", weights_only=True)
     assert not all(torch.equal(p, saved_model[n]) for n, p in model.state_dict().items())  # fresh: not yet loaded
-    assert not (FIXTURE / "manifest.json").exists()  # checked as a checkpoint without one is (trainer.integrity)
+    assert not (FIXTURE / "manifest.json").exists()  # checked as one without it is (integrity.py)
 
     assert _checkpointer(states, cfg).restore(str(FIXTURE)) == 3
     assert f"resumed from {FIXTURE} at step 3" in capsys.readouterr().out
@@ -109,8 +110,9 @@ def test_states_round_trip(tmp_path, capsys):
     sched.step()
     states["train"].advance(16)
     ckpts = _checkpointer(states, cfg)
-    path = ckpts.save(1)
-    assert path == tmp_path / "a" / "checkpoints" / "step_000001" and ckpts.last == path
+    ckpts.save(1)
+    path = ckpts.last
+    assert path == tmp_path / "a" / "checkpoints" / "step_000001"
     files = ["meta.json", "model.pt", "optim.pt", "rng_rank0.pt"]
     assert sorted(p.name for p in path.iterdir()) == sorted([*files, "manifest.json"])
     manifest = json.loads((path / "manifest.json").read_text())["files"]
@@ -157,7 +159,9 @@ def test_a_damaged_checkpoint_is_found_by_its_manifest_or_its_files(tmp_path):
     file (its checksum; sizes alone, as pruning checks, miss it), a manifest that cannot be read; without a manifest
     (as FIXTURE), a missing meta.json or a torch.save file cut short (no zip directory at its end)."""
     states, cfg, *_ = _parts(tmp_path / "run")
-    saved = _checkpointer(states, cfg).save(1)
+    ckpts = _checkpointer(states, cfg)
+    ckpts.save(1)
+    saved = ckpts.last
     copies = iter(range(100))
 
     def copy(source=saved, manifest=True) -> Path:

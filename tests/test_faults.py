@@ -33,7 +33,7 @@ def _torchrun_cmd(device: str, *args) -> list[str]:
 
 
 def _torchrun(device: str, *args, fault: str, timeout=180) -> tuple[subprocess.CompletedProcess, float]:
-    """Two ranks with ``TRAINER_FAULT=fault`` (see trainer.checkpoint.fault_point); the result and its seconds."""
+    """Two ranks with ``TRAINER_FAULT=fault`` (see trainer.faults.fault_point); the result and its seconds."""
     start = time.monotonic()
     r = torchrun(_torchrun_cmd(device, *args), timeout=timeout, env=_env(TRAINER_FAULT=fault))
     return r, time.monotonic() - start
@@ -182,7 +182,7 @@ def test_disk_full_on_one_rank_stops_both_cleanly(tmp_path, rank, device, backgr
 HUNG = """
 import sys, time, torch, torch.distributed as dist
 from trainer.distributed import env as dist_env
-from trainer.step import TrainingError
+from trainer.errors import TrainingError
 
 env = dist_env.setup("cpu", "gloo", timeout_s=float(sys.argv[1]))
 if env.rank == 1:
@@ -259,7 +259,7 @@ def test_a_lost_rank_is_said_when_found_not_on_the_way_out(capsys, monkeypatch):
 
     from trainer import cli
     from trainer.distributed import env as dist_env
-    from trainer.step import TrainingError
+    from trainer.errors import TrainingError
 
     monkeypatch.setenv("RANK", "0")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -283,7 +283,7 @@ def test_torchruns_sigterm_while_a_rank_names_the_lost_one_is_noted_not_handled_
     import signal as sig
 
     from trainer.distributed import env as dist_env
-    from trainer.step import TrainingError
+    from trainer.errors import TrainingError
 
     def lost_peer(e, env, timeout_s):
         os.kill(os.getpid(), sig.SIGTERM)  # torchrun's, arriving now

@@ -155,7 +155,7 @@ def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys, monkeypatch):
     import struct
     import zipfile
 
-    from trainer import integrity
+    from trainer.checkpoint import integrity
 
     assert _fit(capsys, tmp_path, "train.steps=5").returncode == 0
     checkpoint = tmp_path / "checkpoints/step_000005"

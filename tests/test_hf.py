@@ -185,7 +185,7 @@ def test_export_loads_with_from_pretrained(checkpoint, runs, tmp_path):
     if checkpoint == "dcp":  # the layout an fsdp run writes: the model's tensors as DCP shards, no model.pt
         import torch.distributed.checkpoint as dcp
 
-        from trainer.integrity import write_manifest
+        from trainer.checkpoint.integrity import write_manifest
 
         run_dir = tmp_path / "run"
         shutil.copytree(run.dir, run_dir)

@@ -8,7 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trainer"
 
 LAYERS = (
-    ("base", ("trainer.io", "trainer.shipped", "trainer.codec", "trainer.data", "trainer.console", "trainer.threads")),
+    ("base", ("trainer.io", "trainer.shipped", "trainer.codec", "trainer.data", "trainer.console", "trainer.threads",
+              "trainer.errors", "trainer.faults")),
     ("ops", ("trainer.ops",)),
     ("models", ("trainer.models",)),
     ("precision", ("trainer.precision",)),
@@ -16,8 +17,7 @@ LAYERS = (
     ("optim", ("trainer.optim",)),
     ("compile", ("trainer.compile",)),
     ("config", ("trainer.schema", "trainer.config")),
-    ("run", ("trainer.plan", "trainer.step", "trainer.integrity", "trainer.rundir", "trainer.state",
-             "trainer.checkpoint", "trainer.metrics")),
+    ("run", ("trainer.plan", "trainer.step", "trainer.checkpoint", "trainer.metrics")),
     ("assembly", ("trainer.build", "trainer.describe", "trainer.memory")),
     ("app", ("trainer", "trainer.__main__", "trainer.loop", "trainer.cli", "trainer.tune", "trainer.sample",
              "trainer.prepare", "trainer.plot")),

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.conftest import FAST, GPU_CACHE, ROOT, cli, shared_run, torchrun
-from trainer import rundir
-from trainer.checkpoint import fault_point
+from trainer.checkpoint import rundir
 from trainer.distributed.env import DistEnv, restart_warning
+from trainer.faults import fault_point
 
 SHAPE = [f for f in FAST if not f.startswith(("train.micro_batch_size", "model.n_layer"))] + ["model.n_layer=1"]
 # 30 steps of 2 ranks, a checkpoint every 10, every step logged: the steps of a restarted run are compared one by one.

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from trainer.distributed.env import DistEnv
 from trainer.distributed.sync import BucketSync, NoSync
-from trainer.step import GRAPH_AFTER_STEPS, TrainingError, TrainStep
+from trainer.errors import TrainingError
+from trainer.step import GRAPH_AFTER_STEPS, TrainStep
 
 CPU = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
 

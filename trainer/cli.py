@@ -204,8 +204,9 @@ def _main(argv: list[str] | None) -> int:
 def _user_error(e: Exception, prefix: str = "trainer: error") -> None:
     """Print ``e`` on stderr (``trainer.distributed.env.print_error``), unless it was already (``e.reported``)."""
     from trainer.distributed.env import print_error
+    from trainer.errors import TrainingError
 
-    if not getattr(e, "reported", False):
+    if not (isinstance(e, TrainingError) and e.reported):
         print_error(e, prefix)
 
 
@@ -257,16 +258,17 @@ def _run(args) -> int:
             raise ValueError("resume: not supported by tune")
         return tune(args.config, overrides, args.budget_s, shipped=find_config(given)[1])
     cfg = load_config(args.config, overrides)
-    from trainer.loop import Trainer, TrainingError
+    from trainer.errors import TrainingError
+    from trainer.loop import Trainer
 
     try:
         summary = Trainer(cfg, resume=resume).fit()
     except TrainingError as e:
         _user_error(e, prefix="trainer")
-        if getattr(e, "peer_exited", False):  # torchrun must see the lost rank's exit before this one's
+        if e.peer_exited:  # torchrun must see the lost rank's exit before this one's
             from trainer.distributed.env import await_launcher
 
-            await_launcher(terminated=getattr(e, "terminated", False))
+            await_launcher(terminated=e.terminated)
         return EXIT_TRAINING_FAILED
     _print_summary(summary)
     return 0

@@ -8,25 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from trainer import build, console, describe, memory, plan, rundir
-from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, fault_point
+from trainer import build, console, describe, memory, plan
+from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, rundir
+from trainer.checkpoint.states import CompileCache, run_states
 from trainer.compile import cache
-from trainer.compile.report import RecompileLimitError
 from trainer.config import Config, to_dict
 from trainer.data import load_corpus
 from trainer.distributed import env as dist_env
+from trainer.errors import TrainingError
+from trainer.faults import fault_point
 from trainer.metrics import Metrics, StepLog, peak_flops
 from trainer.models import flops_per_token
-from trainer.state import CompileCache, run_states
-from trainer.step import TrainingError, check_replicas, non_finite_loss
+from trainer.step import check_replicas, step_checks
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -93,15 +92,7 @@ class Trainer:
         describe.say_startup(resolved, raw_model, corpus, tokens_per_step, opt, threads)  # the run, its path, notes
         watcher = build.compile_watcher(resolved, model=raw_model)
 
-        def check(step_read: int, loss: float, first: bool, ranks: list[int] | None) -> None:
-            """What every step's numbers must pass once read: few recompiles, a finite loss (on every rank)."""
-            try:
-                watcher and watcher.after_step(step_read, first)
-            except RecompileLimitError as e:
-                raise TrainingError(str(e)) from None
-            if not math.isfinite(loss):
-                raise non_finite_loss(loss, step_read, ranks, env.world_size, ckpts.last)
-
+        check = step_checks(watcher, env, lambda: ckpts.last)  # few recompiles, a finite loss (on every rank)
         log = StepLog(metrics, env=env, start_step=progress.step, last_step=cfg.train.steps, log_every=cfg.log.every,
                       tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(raw_model, cfg.data.seq_len),
                       peak_flops=peak_flops(env.device, cfg.log.peak_flops), compiled=compiling,
@@ -116,32 +107,25 @@ class Trainer:
                 log.launched(step, out, lr, progress.tokens_seen)  # and writes the step before it
                 due = _due(cfg, step, env, signals)
                 if due.evaluate or due.save or due.stop or log.reads_at_once(step):
-                    # Read now; a stop's step, an evaluation's and a save's each get a row.
-                    record = log.read(force=due.evaluate or due.save or bool(due.stop))
+                    record = log.read(force=due.evaluate or bool(due.stop))  # now; a stop's step is the last row
                     if (due.evaluate or due.save) and resolved.strategy.ddp:  # before a checkpoint keeps rank 0's
                         check_replicas(raw_model, env, step, drift=fault_point("replica_drift", step, env.rank))
                     if due.evaluate:  # the first evaluation compiles its own (eval, no-grad) graph: expected
                         with watcher.expect_first("eval") if watcher else contextlib.nullcontext():
                             record["val_loss"] = train_step.evaluate(batches.val_batch, cfg.train.eval_batches)
-                    if due.save:  # the seconds the steps wait for it (with async_save: the copy to host memory)
-                        held = time.perf_counter()
-                        ckpts.save(step)
-                        record["checkpoint_s"] = time.perf_counter() - held
-                    log.write(record)
+                    log.write(record)  # before the checkpoint: a crash after it loses no row
+                if due.save:  # the seconds the steps waited (async_save: for the copy) go in the next row
+                    log.held(ckpts.save(step, wait=bool(due.stop)))  # a stop's save is written before it says so
                 if due.evaluate or due.save:
                     log.timer.restart()  # evaluation and saving are not training time
                 if due.stop:
-                    ckpts.wait()  # a background write: written before the stop says so
                     saved = f"checkpoint saved: {ckpts.last}" if due.save else "checkpoint.enabled=false: nothing saved"
                     console.warn(f"stopped {due.stop} at step {step}; {saved}")  # short of train.steps
                     break
             log.write(log.read())
-            ckpts.wait()
-        except BaseException:
-            ckpts.abandon()  # this rank's background write ends; no collective with ranks that may be gone
-            raise
+            ckpts.wait()  # the background write in flight
         finally:
-            ckpts.close()
+            ckpts.close()  # after a failure, a background write ends here: no collective with ranks that may be gone
             if watcher is not None:
                 watcher.stop(report=run_dir / "compile_report.json" if env.is_main else None)
             metrics.close()  # a failed run's too: a gloo rank then exits without finalizing the interpreter

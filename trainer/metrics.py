@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from trainer import console
-from trainer.checkpoint import fault_point
 from trainer.distributed.env import per_rank
+from trainer.errors import TrainingError
+from trainer.faults import fault_point
 from trainer.io import atomic_write_text
-from trainer.step import TrainingError
 
 # Dense bf16 peak FLOP/s by device-name substring, first match wins (datasheet numbers).
 # ``log.peak_flops`` overrides this; MFU is absent for devices not listed.
@@ -284,7 +284,7 @@ def copy_to_host(*values):
 def _check_own_slot(losses: list[float], own: float, rank: int, step: int) -> None:
     """Every rank's losses come from an all-reduce (a sum) of one-hot rows, so this rank's slot is its own loss plus
     exact zeros: anything else means the collective returned a wrong sum, and then the gradients reduced over the
-    same process group cannot be trusted either. Raises :class:`~trainer.step.TrainingError` (a non-finite loss is
+    same process group cannot be trusted either. Raises :class:`~trainer.errors.TrainingError` (a non-finite loss is
     the NaN check's to report)."""
     if math.isfinite(own) and losses[rank] != own:
         raise TrainingError(
@@ -344,6 +344,7 @@ class StepLog:
             torch.cuda.reset_peak_memory_stats(env.device)
         self.pending: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}  # the newest record written
+        self.checkpoint_s = 0.0  # the seconds the steps waited for checkpoints since the last record
 
     def launched(self, step: int, out, lr: float, tokens: int) -> None:
         """Queue step ``step`` (``out``: its :class:`~trainer.step.StepOutput`, numbers still on the device) and
@@ -408,9 +409,18 @@ class StepLog:
             record["host_rss_gb"] = rss / 1e9
         return record
 
+    def held(self, seconds: float) -> None:
+        """The steps waited ``seconds`` for a checkpoint (not training time: the timer restarts): the next record's
+        ``checkpoint_s`` adds them up."""
+        self.checkpoint_s += seconds
+        self.timer.restart()
+
     def write(self, record: dict[str, Any] | None) -> None:
-        """Write a record from :meth:`read` (with anything added to it, such as ``val_loss``); None: nothing."""
+        """Write a record from :meth:`read` (with anything added to it, such as ``val_loss``); None: nothing. Its
+        ``checkpoint_s``: the seconds the steps waited for the checkpoints saved since the record before."""
         if record is not None:
+            if self.checkpoint_s:
+                record["checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
             self.metrics.log(record, compiled=self.compiled)
             self.last.update(record)
 

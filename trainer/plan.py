@@ -116,8 +116,8 @@ class SavedBatch:
 
     @classmethod
     def read(cls, checkpoint: str | None) -> SavedBatch | None:
-        """The batch of the checkpoint a run resumes (``start.resume``, as :func:`trainer.rundir.claim` decided it);
-        None for a fresh start."""
+        """The batch of the checkpoint a run resumes (``start.resume``, as
+        :func:`trainer.checkpoint.rundir.claim` decided it); None for a fresh start."""
         if checkpoint is None:
             return None
         from trainer.checkpoint import checkpoint_meta

@@ -121,7 +121,7 @@ def _run_codec(cfg, run: Path):
 
 def _checkpoint(spec: str, run: Path) -> Path:
     """The checkpoint directory ``--checkpoint`` names: ``last`` in ``run`` (or the newest intact one before it,
-    with a warning), or a path, refused if damaged (:func:`trainer.integrity.resolve`)."""
+    with a warning), or a path, refused if damaged (:func:`trainer.checkpoint.integrity.resolve`)."""
     if spec == "last" and not (run / "checkpoints" / checkpoint.LAST).is_file():
         raise checkpoint.CheckpointError(
             f"sample: no complete checkpoint in {run / 'checkpoints'} (the run saved none: checkpoint.enabled=false, "

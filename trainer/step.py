@@ -19,6 +19,7 @@ later), except with ``skip_non_finite``, which must know before the update wheth
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
@@ -31,6 +32,7 @@ from trainer.distributed import env as dist_env
 from trainer.distributed.ddp import replicas_differ
 from trainer.distributed.fsdp import is_sharded
 from trainer.distributed.sync import GradSync, NoSync
+from trainer.errors import TrainingError
 from trainer.models import loss_of
 
 # Ordinary (compiled) steps before the capture: every kernel compiled and run once, the allocator warm.
@@ -41,15 +43,21 @@ BatchOf = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 sequence and their positions in it): micro-batch ``micro`` of one step, on the device."""
 
 
-class TrainingError(RuntimeError):
-    """The run cannot go on (a NaN loss, a compile failure, too many recompiles); the message says why.
+def step_checks(watcher, env: dist_env.DistEnv, last_checkpoint: Callable[[], object]):
+    """``check(step, loss, first, ranks)`` for :class:`trainer.metrics.StepLog`: what every step's numbers must pass
+    once read: few recompiles (``watcher``, :class:`trainer.compile.report.CompileWatcher`, or None), a finite loss
+    on every rank (the error names the last checkpoint, ``last_checkpoint()``)."""
+    from trainer.compile.report import RecompileLimitError
 
-    ``all_ranks``: every rank raised it at the same point with the same message (rank 0 alone reports it).
-    """
+    def check(step: int, loss: float, first: bool, ranks: list[int] | None) -> None:
+        try:
+            watcher and watcher.after_step(step, first)
+        except RecompileLimitError as e:
+            raise TrainingError(str(e)) from None
+        if not math.isfinite(loss):
+            raise non_finite_loss(loss, step, ranks, env.world_size, last_checkpoint())
 
-    def __init__(self, message: str, *, all_ranks: bool = False):
-        super().__init__(message)
-        self.all_ranks = all_ranks
+    return check
 
 
 def non_finite_loss(loss: float, step: int, ranks: list[int] | None, world_size: int, last) -> TrainingError:

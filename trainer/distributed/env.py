@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import console
+from trainer.errors import TrainingError
 from trainer.io import pid_alive
 
 
@@ -307,7 +308,7 @@ def lost_peer(e: BaseException, env: DistEnv, timeout_s: float | None, wait_s: f
 
 
 @contextlib.contextmanager
-def lost_rank_stops(env: DistEnv, timeout_s: float | None, error: type[Exception]):
+def lost_rank_stops(env: DistEnv, timeout_s: float | None, error: type[TrainingError]):
     """A context in which a collective that fails because another rank is gone or hung raises ``error`` with a
     message naming the lost rank (:func:`lost_peer`) instead of the backend's traceback, and prints it at once
     (``reported``); its ``peer_exited`` says whether a rank on this host exited (see :func:`await_launcher`)."""

@@ -19,8 +19,8 @@ one model's, not one per rank (an 8B model is 32 GB in fp32), and every rank sta
 process builds with the same seed.
 
 Checkpoints of a sharded model go through ``torch.distributed.checkpoint`` (DCP; :mod:`trainer.checkpoint`, the
-model's and optimizer's state dicts in :mod:`trainer.state`): each rank writes its shards, and a load reshards to
-whatever the current world size is (or to whole tensors in one process).
+model's and optimizer's state dicts in :mod:`trainer.checkpoint.states`): each rank writes its shards, and a load
+reshards to whatever the current world size is (or to whole tensors in one process).
 """
 
 from __future__ import annotations

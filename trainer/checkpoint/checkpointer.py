@@ -1,7 +1,7 @@
 """Checkpoints of a run's Stateful parts: atomic, keep-N, a ``last`` pointer, and loading that never runs code.
 
-A :class:`Checkpointer` is given the run's states (``{name: Stateful}``, built by :func:`trainer.state.run_states`)
-and a :class:`Storage` for the model's and the optimizer's: :data:`TORCH_SAVE` (whole tensors in ``torch.save``
+A :class:`Checkpointer` is given the run's states (``{name: Stateful}``, built by :func:`.states.run_states`) and
+a :class:`Storage` for the model's and the optimizer's: :data:`TORCH_SAVE` (whole tensors in ``torch.save``
 files that the main rank writes) or :data:`DCP` (``torch.distributed.checkpoint``: every rank writes its shards,
 and a load reshards them to the current world size). A run whose model is FSDP-sharded uses DCP. The other states
 are small and go to the same files either way. Layout of ``<run.dir>/checkpoints/``::
@@ -12,8 +12,8 @@ are small and go to the same files either way. Layout of ``<run.dir>/checkpoints
       optim.pt              {"optimizer" (TORCH_SAVE), "scheduler", "scaler" (fp16)}: tensors and plain containers
       rng_rank<R>.pt        "rng": each rank's RNG states (Python, NumPy, torch CPU, CUDA)
       meta.json             "train" (step, tokens seen) at its top level, "sampler", the world size, the config
-      manifest.json         every file above with its size (and a checksum of the small ones): trainer.integrity
-    step_000030.damaged-1/  a damaged checkpoint a resume moved aside (trainer.integrity), kept, never pruned
+      manifest.json         every file above with its size (and a checksum of the small ones): integrity.py
+    step_000030.damaged-1/  a damaged checkpoint a resume moved aside (integrity.py), kept, never pruned
     last                    a text file naming the newest complete checkpoint
     compile_cache.bin       beside the checkpoints (one for all of them), when compiling
 
@@ -26,7 +26,7 @@ rank with one error naming the file, the partial checkpoint removed and ``last``
 
 A checkpoint damaged on disk after it was published (a truncated file, a lost one) is found by its manifest when a
 run resumes: ``resume=last`` and ``resume=auto`` fall back to the newest intact one (rank 0 decides, in
-:func:`trainer.rundir.claim`), a checkpoint named explicitly is refused (:mod:`trainer.integrity`).
+:func:`.rundir.claim`), a checkpoint named explicitly is refused (:mod:`.integrity`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import functools
 import json
 import os
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,11 +45,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainer import console, integrity, rundir
+from trainer import console
+from trainer.checkpoint import integrity, rundir
+from trainer.checkpoint.integrity import LAST, META, CheckpointError, resolve
 from trainer.distributed.env import DistEnv, every_rank
-from trainer.integrity import LAST, META, CheckpointError, resolve
+from trainer.errors import TrainingError
+from trainer.faults import fault_point
 from trainer.io import atomic_write, atomic_write_text
-from trainer.step import TrainingError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
@@ -88,54 +89,13 @@ class CheckpointWriteError(TrainingError):
     """A checkpoint could not be written (a full disk, a lost permission): the run stops, ``last`` unchanged."""
 
 
-_KILL_POINTS = ("checkpoint_write", "after_checkpoint", "kill")
-
-
-def fault_point(point: str, step: int, rank: int = 0) -> bool:
-    """Fault injection for tests: ``TRAINER_FAULT=<point>:<step>[@<rank>][#<restart>]`` fires at ``point`` of step
-    ``step`` (on every rank without ``@<rank>``; with ``#<restart>``, only in that start of a torchrun job,
-    ``TORCHELASTIC_RESTART_COUNT``, 0 for the first: a fault that torchrun's restart does not meet again). Several
-    faults are separated by commas: ``damage_checkpoint:20#0,kill:25@0#0``.
-
-    Points: ``checkpoint_write`` (between two files of a checkpoint), ``after_checkpoint`` and ``kill`` (a step
-    launched) SIGKILL this process; ``sigterm`` (a step launched) sends SIGTERM to torchrun's launcher, which passes
-    it to every rank, as a scheduler stopping the job does (outside torchrun, to this process); ``raise`` (a step
-    launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks), ``wrong_sum`` (every
-    rank's losses, as this rank received them), ``replica_drift`` (this rank's parameters, before the ddp replicas are
-    compared), ``disk_full`` (this rank's last checkpoint file fails with ENOSPC) and ``damage_checkpoint`` (the
-    main rank, once the checkpoint is published: its largest file is cut to half its size, as a disk or a copy
-    damages one) return True for the caller to act on. Returns False everywhere else.
-    """
-    spec = next((s for s in os.environ.get("TRAINER_FAULT", "").split(",") if _fires(s, point, step, rank)), None)
-    if spec is None:
-        return False
-    if point in _KILL_POINTS:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if point == "sigterm":
-        os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGTERM)
-        return False
-    if point == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step} (TRAINER_FAULT={spec})")
-    return True
-
-
-def _fires(spec: str, point: str, step: int, rank: int) -> bool:
-    """Whether the fault ``spec`` (one of ``TRAINER_FAULT``'s) is ``point`` of ``step`` on ``rank``, in this start."""
-    name, _, where = spec.strip().partition(":")
-    where, _, at_restart = where.partition("#")
-    at_step, _, at_rank = where.partition("@")
-    if name != point or at_step != str(step) or (at_rank and at_rank != str(rank)):
-        return False
-    return not at_restart or at_restart == os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
 @dataclass(frozen=True)
 class Storage:
     """How a checkpoint keeps the model's and the optimizer's states (the choice: :data:`TORCH_SAVE` or :data:`DCP`).
 
     Attributes:
         sharded: every rank writes its shards of them through DCP under ``dcp/`` (the states in their ``by_name``
-            form, :mod:`trainer.state`); otherwise the main rank writes whole tensors to ``model.pt`` and
+            form, :mod:`trainer.checkpoint.states`); otherwise the main rank writes whole tensors to ``model.pt`` and
             ``optim.pt``. A checkpoint is read as it was written, whatever this run's storage: a run without FSDP
             resumes an FSDP run's checkpoint, resharded by DCP to whole tensors.
     """
@@ -148,7 +108,7 @@ DCP = Storage(sharded=True)
 
 
 class SideFiles(Protocol):
-    """Files kept beside the checkpoints rather than in one (:class:`trainer.state.CompileCache`)."""
+    """Files kept beside the checkpoints rather than in one (:class:`trainer.checkpoint.states.CompileCache`)."""
 
     def save(self, root: Path) -> None:
         """Write them into ``root`` (the main rank, with each checkpoint's files)."""
@@ -605,7 +565,7 @@ class Checkpointer:
     """A run's checkpoints: its states saved by every rank together, atomically, and loaded on resume.
 
     Args:
-        states: the run's Stateful parts by name (:func:`trainer.state.run_states`); a resume loads them in this
+        states: the run's Stateful parts by name (:func:`.states.run_states`); a resume loads them in this
             order. The names place them in the layout (the module docstring): ``model``, ``optimizer``,
             ``scheduler``, ``scaler``, ``train``, ``sampler``, ``rng``.
         storage: :data:`TORCH_SAVE` or :data:`DCP`, for the model's and the optimizer's states.
@@ -641,9 +601,11 @@ class Checkpointer:
         self.last: Path | None = None  # the newest checkpoint this process wrote
         self.resumed: Path | None = None  # the checkpoint this run resumed from
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, wait: bool = False) -> float:
         """Write the checkpoint of ``step`` (every rank calls this) and move ``last`` to it; in the background
-        (``background``), the previous background write first waited for."""
+        (``background``), the previous background write first waited for, and this one too with ``wait``.
+        Returns the seconds the caller waited."""
+        start = time.perf_counter()
         self.wait()
         # Every rank takes every state dict: one may be a collective (the sharded optimizer gathers its state).
         sharded = DCP_KEYS if self.storage.sharded else {}
@@ -653,9 +615,11 @@ class Checkpointer:
                 files.save(self.root)
         if self.background:
             self._pending = _BackgroundSave(self, step, self._stager.stage(snapshot), self._shards)
-            return self.root / checkpoint_name(step)
-        self.last = save(self.root, step, functools.partial(self._write, snapshot, step), self.env, self.keep)
-        return self.last
+            if wait:
+                self.wait()
+        else:
+            self.last = save(self.root, step, functools.partial(self._write, snapshot, step), self.env, self.keep)
+        return time.perf_counter() - start
 
     def wait(self) -> Path | None:
         """Wait for the background write in flight, if any (every rank calls this at the same point: the next
@@ -673,16 +637,14 @@ class Checkpointer:
             self.last = published
         return published
 
-    def abandon(self, timeout_s: float = 60.0) -> None:
-        """After a failure elsewhere: let this rank's background write end (up to ``timeout_s``), with no
-        collective; a checkpoint whose every rank finished is published, one that did not stays a temporary
-        directory that the next start removes."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """The run's end: free what the background writes kept (DCP's staging buffers). A background write still in
+        flight (a failure stopped the run before :meth:`wait`) is given up to ``timeout_s`` to end, with no
+        collective: a checkpoint every rank finished is published, one that did not stays a temporary directory
+        that the next start removes."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.thread.join(timeout_s)
-
-    def close(self) -> None:
-        """Free what the background writes kept (DCP's staging buffers)."""
         if self._shards is not None:
             self._shards.close()
 
@@ -713,7 +675,7 @@ class Checkpointer:
     def begin(self, start: rundir.Start) -> Stateful:
         """Start the run as ``start`` says: restore its checkpoint, or none; say how it started in one line (a
         resume, or a fresh start under ``resume=auto`` or a torchrun restart) and record it in ``starts.jsonl``
-        (rank 0). Returns the ``train`` state (:class:`trainer.state.TrainState`): the run's position."""
+        (rank 0). Returns the ``train`` state (:class:`trainer.checkpoint.states.TrainState`): the run's position."""
         step = self.restore(start.resume, start.headline()) if start.resume else 0
         if self.env.is_main:
             if start.resume is None and (line := start.fresh_line(self.root.parent)):

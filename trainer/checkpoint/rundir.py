@@ -18,7 +18,7 @@
 
 - ``checkpoints/last`` names a checkpoint: the run resumes from it if it is intact, else from the newest intact one
   before it; each damaged one passed over is moved aside to ``<name>.damaged-N`` with a warning, and ``last`` is
-  pointed at the intact one (:mod:`trainer.integrity`). None intact: exit 2 listing each and why. ``resume=last``
+  pointed at the intact one (:mod:`.integrity`). None intact: exit 2 listing each and why. ``resume=last``
   does the same; ``resume=PATH`` naming a damaged checkpoint exits 2 (it was asked for by name).
 - No checkpoint, and no run (an empty or new directory): the run starts fresh.
 - No checkpoint, and a run that keeps checkpoints (its ``config.yaml`` has ``checkpoint.enabled: true``): that run
@@ -45,7 +45,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from trainer import console, integrity
+from trainer import console
+from trainer.checkpoint import integrity
 from trainer.distributed.env import DistEnv, every_rank, restart_warning
 from trainer.io import pid_alive
 
