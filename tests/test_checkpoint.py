@@ -227,3 +227,44 @@ def test_a_load_failure_is_said_in_whole_words():
     assert _load_failure(RuntimeError(corrupt)) == "its pickled data is corrupt (Unsupported operand 255)"
     code = f"{preamble}\n\n\nTrying to load unsupported GLOBAL posix.system whose module posix is blocked.\n"
     assert "would run code" in _load_failure(RuntimeError(code))
+
+
+def test_the_stager_copies_each_storage_once_and_keeps_views_and_shared_objects():
+    """checkpoint.async_save's copy: tensors that share a storage still do, at their offsets and strides; an object
+    met twice is one copy; the copies do not follow later changes of the originals; containers keep their type and
+    a state dict's _metadata."""
+    from collections import OrderedDict
+
+    from trainer.checkpoint.checkpointer import Stager
+
+    flat = torch.arange(12.0)
+    betas = (0.9, 0.95)
+    tail = flat[6:]
+    sd = OrderedDict(w=flat[:6].view(2, 3), b=tail, t=tail, lr=1e-3)  # one tensor under two names (tied weights)
+    sd._metadata = {"": {"version": 1}}
+    snapshot = {"model": sd, "groups": [{"betas": betas}, {"betas": betas}]}
+    staged = Stager(torch.device("cpu")).stage(snapshot)
+    flat.add_(100.0)  # training goes on
+    w, b, t = staged["model"]["w"], staged["model"]["b"], staged["model"]["t"]
+    assert torch.equal(w, torch.arange(6.0).view(2, 3)) and torch.equal(b, torch.arange(6.0, 12.0))
+    assert w.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and b.storage_offset() == 6
+    assert t is b and staged["groups"][0]["betas"] is staged["groups"][1]["betas"]
+    assert type(staged["model"]) is OrderedDict and staged["model"]._metadata == {"": {"version": 1}}
+    assert staged["model"]["lr"] == 1e-3
+
+
+def test_the_dcp_staging_api_background_saves_rely_on_is_there():
+    """Pinned: DCP's stager and its options by the names trainer.checkpoint.checkpointer._ShardWriter uses."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    names = {f.name for f in dataclasses.fields(StagingOptions)}
+    assert {"use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy"} <= names
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))  # fmt: skip
+    t = torch.arange(4.0)
+    staged = stager.stage({"a": t})
+    t.add_(1.0)
+    assert torch.equal(staged["a"], torch.arange(4.0))
+    stager.close()

@@ -91,6 +91,19 @@ def test_a_rank_killed_under_torchrun_restarts_resumes_and_ends_as_an_uninterrup
     assert not (tmp_path / ".lock").exists()
 
 
+def test_a_rank_killed_in_a_background_checkpoint_write_restarts_as_an_uninterrupted_run(tmp_path, reference):
+    """checkpoint.async_save under ``torchrun --max-restarts 1``: rank 0 SIGKILLed by its writer thread between two
+    files of the step-20 checkpoint, while the steps go on. torchrun restarts both ranks; resume=auto continues from
+    step 10 (the torn checkpoint never became ``last``), the temporary directory is removed, and the job ends with
+    the uninterrupted (synchronous) run's losses."""
+    r = _job(tmp_path, "checkpoint.async_save=true", fault="checkpoint_write:20@0#0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_000010'} at step 10 (torchrun restart 1" in r.stdout
+    _same_run(tmp_path, reference)
+    assert (tmp_path / "checkpoints" / "last").read_text().strip() == "step_000030"
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
 @pytest.mark.multi_gpu
 def test_a_rank_killed_under_torchrun_restarts_on_two_gpus(tmp_path):
     """The same kill and restart on 2 GPUs under NCCL, with CUDA's defaults: compiled, the whole step (all-reduces
