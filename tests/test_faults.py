@@ -302,3 +302,17 @@ def test_torchruns_sigterm_while_a_rank_names_the_lost_one_is_noted_not_handled_
         assert sig.getsignal(sig.SIGTERM) is sig.SIG_DFL
     finally:
         sig.signal(sig.SIGTERM, before)
+
+
+def test_a_spike_on_one_rank_rolls_back_every_rank(tmp_path):
+    """train.on_spike=rollback on 2 gloo ranks: rank 1's loss spikes at step 15. The loss each rank compares is the
+    mean over the ranks, so both roll back to step 10 at the same step, pass over the batches of steps 11-15, and
+    end as a 2-rank run given train.skip_batches=[[11,15]] from the start."""
+    args = ("train.steps=30", "checkpoint.every=10", "train.spike_window=4")
+    r, _ = _torchrun("cpu", *args, "train.on_spike=rollback", f"run.dir={tmp_path / 'a'}", fault="spike:15@1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("loss spike at step 15: ") == 1, r.stderr[-3000:]  # said by rank 0
+    r = torchrun(_torchrun_cmd("cpu", *args, "train.skip_batches=[[11,15]]", f"run.dir={tmp_path / 'b'}"), env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = ({row["step"]: row["loss"] for row in _rows(tmp_path / d) if "loss" in row} for d in "ab")
+    assert sorted(a) == list(range(1, 31)) and a == b, (a, b)

@@ -280,3 +280,52 @@ def test_startup_warns_of_a_warm_up_longer_than_the_run_and_says_the_threads(tmp
     assert fits.returncode == 0 and "is longer than train.steps" not in fits.stderr, fits.stderr
     # The startup line says how many threads torch runs and why (OMP_NUM_THREADS=1: tests/conftest.py sets it).
     assert "; threads: 1 of " in r.stdout and " cores (OMP_NUM_THREADS=1; train.threads sets it); " in r.stdout
+
+
+def test_data_steps_pass_over_the_skipped_ranges():
+    from trainer.data import data_step, merge_ranges
+
+    skip = merge_ranges([[6, 6], [3, 4], [5, 5], [10, 12]])
+    assert skip == [[3, 6], [10, 12]]
+    assert [data_step(s, skip) for s in range(1, 8)] == [1, 2, 7, 8, 9, 13, 14]
+    assert [data_step(s, []) for s in (1, 5)] == [1, 5]
+
+
+def _spiked(capsys, run_dir, monkeypatch, *extra, fault="spike:15"):
+    from trainer import faults
+
+    monkeypatch.setattr(faults, "_FIRED", set())  # each run in this process fires its fault once
+    common = ["train.steps=30", "checkpoint.every=10", "log.every=1", "train.eval_every=0", "train.spike_window=4"]
+    return cli(capsys, "fit", "configs/tiny.yaml", *FAST, f"run.dir={run_dir}", *common, *extra,
+               env={"TRAINER_FAULT": fault})  # fmt: skip
+
+
+def test_a_rolled_back_spike_trains_as_a_run_that_skipped_its_batches(tmp_path, capsys, monkeypatch):
+    """train.on_spike=rollback: a spike at step 15 goes back to the checkpoint of step 10 and passes over the batches
+    of steps 11-15; the losses of steps 11-30 are those of a run given train.skip_batches=[[11,15]] from the start,
+    bit for bit, and later checkpoints keep the range."""
+    r = _spiked(capsys, tmp_path / "a", monkeypatch, "train.on_spike=rollback")
+    assert r.returncode == 0, r.stderr
+    said = "loss spike at step 15: "
+    assert (
+        r.stderr.count(said) == 1
+        and "rolling back to" in r.stderr
+        and "steps 11-15 (rollback 1 of at most 3)" in r.stderr
+    )
+    r = _spiked(capsys, tmp_path / "b", monkeypatch, "train.skip_batches=[[11,15]]", fault="")
+    assert r.returncode == 0, r.stderr
+    a, b = ({x["step"]: x["loss"] for x in _metrics(tmp_path / d) if "loss" in x} for d in ("a", "b"))
+    assert sorted(a) == list(range(1, 31)) and all(a[s] == b[s] for s in range(1, 31)), (a, b)
+    meta = json.loads((tmp_path / "a/checkpoints/step_000030/meta.json").read_text())
+    assert meta["sampler"]["skip"] == [[11, 15]]
+    starts = [json.loads(line)["resume"] for line in (tmp_path / "a/starts.jsonl").read_text().splitlines()]
+    assert starts == [None, "rollback"]
+
+
+def test_a_spike_stops_the_run_by_default_and_past_max_rollbacks(tmp_path, capsys, monkeypatch):
+    r = _spiked(capsys, tmp_path / "stop", monkeypatch)
+    assert r.returncode == 1 and "loss spike at step 15: " in r.stderr and "train.on_spike=rollback" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _spiked(capsys, tmp_path / "most", monkeypatch, "train.on_spike=rollback", "train.max_rollbacks=0")
+    assert r.returncode == 1 and "train.max_rollbacks=0 rollbacks made already" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

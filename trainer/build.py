@@ -247,6 +247,7 @@ def batches(plan: plan_rules.Plan, corpus, env):
         seed=cfg.seed,
         device=env.device,
         global_batch=plan.global_batch,
+        skip=cfg.train.skip_batches,
     )
 
 

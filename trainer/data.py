@@ -304,6 +304,8 @@ class Batches:
         positions: under context parallel, the positions of each sequence this rank holds
             (:func:`trainer.distributed.cp.positions_of`); its batches are then ``(x, y, positions)`` of those
             tokens alone, positions (B, len(positions)). None: whole sequences, ``(x, y)``.
+        skip: ``[first, last]`` ranges of steps (numbered as in a run that skips nothing, from 1) whose batches are
+            passed over: step ``s`` trains on the ``s``-th batch not in them (:func:`data_step`).
     """
 
     def __init__(
@@ -319,7 +321,9 @@ class Batches:
         device,
         global_batch=None,
         positions: np.ndarray | None = None,
+        skip: list | None = None,
     ):
+        self.skip = merge_ranges(skip or [])  # steps whose batches are passed over (train.skip_batches, rollbacks)
         self.corpus, self.T, self.B, self.accum = corpus, seq_len, micro_batch_size, grad_accum
         self.rank, self.world, self.seed, self.device = rank, world_size, seed, torch.device(device)
         self.global_batch = micro_batch_size * grad_accum * world_size
@@ -349,8 +353,9 @@ class Batches:
         return tuple(xy.to(self.device, non_blocking=True).unbind(0))
 
     def train_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``micro`` of optimizer step ``step`` for this rank: ``(x, y)``, each (B, T)."""
-        offsets = self._offsets("train", step, self.global_batch)
+        """Micro-batch ``micro`` of optimizer step ``step`` (0 for the first) for this rank: ``(x, y)``, each
+        (B, T); the batch of the ``step + 1``-th step not passed over (``skip``)."""
+        offsets = self._offsets("train", data_step(step + 1, self.skip) - 1, self.global_batch)
         start = self.rank * self.B * self.accum + micro * self.B
         return self._windows("train", offsets[start : start + self.B])
 
@@ -360,4 +365,24 @@ class Batches:
         return self._windows("val", offsets[self.rank * self.B : (self.rank + 1) * self.B])
 
     def state_dict(self, next_step: int) -> dict:
-        return {"seed": self.seed, "next_step": next_step, "global_batch": self.global_batch}
+        return {"seed": self.seed, "next_step": next_step, "global_batch": self.global_batch, "skip": self.skip}
+
+
+def merge_ranges(ranges) -> list[list[int]]:
+    """``[first, last]`` ranges of step numbers, sorted, overlapping and adjacent ones merged."""
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges):
+        if out and a <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def data_step(step: int, skip: list[list[int]]) -> int:
+    """The batch (numbered as in a run that skips nothing, from 1) that step ``step`` trains on: the ``step``-th
+    not in the merged ranges ``skip``."""
+    for a, b in skip:
+        if step >= a:
+            step += b - a + 1
+    return step

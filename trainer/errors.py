@@ -21,3 +21,16 @@ class TrainingError(RuntimeError):
         self.peer_exited = False
         self.terminated = False
         self.reported = False
+
+
+class Rollback(Exception):
+    """A loss spike under ``train.on_spike=rollback``: the run goes back to its last checkpoint (:mod:`trainer.loop`).
+    Every rank raises it at the same step: the loss compared is the mean over the ranks, which every rank reads.
+
+    Attributes:
+        step: the step whose loss spiked; ``why``: the spike, in words.
+    """
+
+    def __init__(self, step: int, why: str):
+        super().__init__(f"loss spike at step {step}: {why}")
+        self.step, self.why = step, why

@@ -8,6 +8,7 @@ import os
 import signal
 
 _KILL_POINTS = ("checkpoint_write", "after_checkpoint", "kill")
+_FIRED: set[str] = set()
 
 
 def fault_point(point: str, step: int, rank: int = 0) -> bool:
@@ -20,14 +21,16 @@ def fault_point(point: str, step: int, rank: int = 0) -> bool:
     launched) SIGKILL this process; ``sigterm`` (a step launched) sends SIGTERM to torchrun's launcher, which passes
     it to every rank, as a scheduler stopping the job does (outside torchrun, to this process); ``raise`` (a step
     launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks), ``wrong_sum`` (every
-    rank's losses, as this rank received them), ``replica_drift`` (this rank's parameters, before the ddp replicas are
-    compared), ``disk_full`` (this rank's last checkpoint file fails with ENOSPC) and ``damage_checkpoint`` (the
-    main rank, once the checkpoint is published: its largest file is cut to half its size, as a disk or a copy
-    damages one) return True for the caller to act on. Returns False everywhere else.
+    rank's losses, as this rank received them), ``replica_drift`` (this rank's parameters, before the ddp replicas
+    are compared), ``spike`` (this rank's loss, as read for the checks, ten times larger), ``disk_full`` (this
+    rank's last checkpoint file fails with ENOSPC) and ``damage_checkpoint`` (the main rank, once the checkpoint is
+    published: its largest file is cut to half its size, as a disk or a copy damages one) return True for the caller
+    to act on. Returns False everywhere else.
     """
     spec = next((s for s in os.environ.get("TRAINER_FAULT", "").split(",") if _fires(s, point, step, rank)), None)
-    if spec is None:
+    if spec is None or spec in _FIRED:
         return False
+    _FIRED.add(spec)  # once in a process: a step met again after a rollback does not fire it again
     if point in _KILL_POINTS:
         os.kill(os.getpid(), signal.SIGKILL)
     if point == "sigterm":

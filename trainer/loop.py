@@ -1,13 +1,13 @@
 """The fit loop: build the run from the config, then step, log, evaluate and checkpoint until ``train.steps``.
 
 Reads top to bottom like nanoGPT's train.py. The pieces live beside it: the step in :mod:`trainer.step`, the
-logging in :mod:`trainer.metrics`, checkpoints in :mod:`trainer.checkpoint`, building in :mod:`trainer.build`.
-"""
+logging in :mod:`trainer.metrics`, checkpoints in :mod:`trainer.checkpoint`, building in :mod:`trainer.build`."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,11 +21,11 @@ from trainer.compile import cache
 from trainer.config import Config, to_dict
 from trainer.data import load_corpus
 from trainer.distributed import env as dist_env
-from trainer.errors import TrainingError
+from trainer.errors import Rollback, TrainingError
 from trainer.faults import fault_point
 from trainer.metrics import Metrics, StepLog, peak_flops
 from trainer.models import flops_per_token
-from trainer.step import check_replicas, step_checks
+from trainer.step import SpikeWatch, check_replicas, step_checks
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -52,7 +52,12 @@ class Trainer:
         lost = dist_env.lost_rank_stops(env, dist.timeout_s, TrainingError)
         try:
             with claim as start, dist_env.StopSignals() as signals, lost:
-                return self._fit(env, signals, start)
+                for rollbacks in itertools.count():  # train.on_spike=rollback: again from the last checkpoint
+                    try:
+                        return self._fit(env, signals, start)
+                    except Rollback as spike:
+                        self.raw_model = self.plan = self.splitter = None  # the run given up: its memory freed
+                        start = rundir.roll_back(self.cfg, env, spike, rollbacks)
         finally:
             dist_env.teardown(env, failed=sys.exc_info()[0] is not None)  # an exception on its way out
 
@@ -91,8 +96,8 @@ class Trainer:
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         describe.say_startup(resolved, raw_model, corpus, tokens_per_step, opt, threads)  # the run, its path, notes
         watcher = build.compile_watcher(resolved, model=raw_model)
-
-        check = step_checks(watcher, env, lambda: ckpts.last)  # few recompiles, a finite loss (on every rank)
+        spikes = SpikeWatch(cfg.train.spike_window, cfg.train.spike_sigma, cfg.train.on_spike)
+        check = step_checks(watcher, env, lambda: ckpts.last, spikes)  # recompiles; a finite loss, no spike
         log = StepLog(metrics, env=env, start_step=progress.step, last_step=cfg.train.steps, log_every=cfg.log.every,
                       tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(raw_model, cfg.data.seq_len),
                       peak_flops=peak_flops(env.device, cfg.log.peak_flops), compiled=compiling,

@@ -356,6 +356,8 @@ class StepLog:
         fault_point("raise", step, rank)  # tests: this rank fails here
         if fault_point("nan_loss", step, rank):  # tests: this rank's loss is not finite
             loss = loss * float("nan")
+        if fault_point("spike", step, rank):  # tests: this rank's loss spikes (as read: the step is unchanged)
+            loss = loss * 10.0
         losses = per_rank(loss, self.env) if self.env.distributed else loss  # (world,): every rank's
         if fault_point("wrong_sum", step, rank):  # tests: the losses' all-reduce gives a wrong sum on this rank
             losses = losses * 4

@@ -209,6 +209,20 @@ class TrainConfig:
     """Micro-batches per validation pass."""
     on_nan: str = _f("stop", choices=["stop", "skip"])
     """On a NaN/inf loss: stop the run, or skip the step's update."""
+    on_spike: str = _f("stop", choices=["stop", "rollback"])
+    """On a loss spike (a loss above the mean + train.spike_sigma standard deviations of the last train.spike_window
+    steps' losses, read as the log reads them: no host sync of its own; or a NaN/inf loss, unless train.on_nan=skip
+    skips it): stop the run, or roll back: load the last checkpoint, pass over the batches of the steps since it
+    (train.skip_batches gains them), and go on; at most train.max_rollbacks times."""
+    spike_sigma: float = _f(6.0, gt=0.0)
+    """A loss spike is this many standard deviations above the mean of the window (OLMo-core's 6)."""
+    spike_window: int = _f(128, ge=2)
+    """Steps whose losses make the window; no spike is called before it is full (after each start)."""
+    max_rollbacks: int = _f(3, ge=0)
+    """train.on_spike=rollback: rollbacks a run may make; the next spike stops it."""
+    skip_batches: list[list[int]] = _f(factory=list)
+    """[first, last] ranges of steps (numbered as in a run that skips nothing, from 1) whose batches are passed over:
+    e.g. [[1201, 1400]]. A rollback adds its steps; a checkpoint keeps them."""
     activation_checkpointing: str = _f("none", choices=["none", "full", "selective"])
     """Recompute each repeated block's activations in the backward instead of keeping them (the blocks of
     compile.scope=blocks and of the FSDP units): none; full (keep only each block's input); selective (keep the

@@ -43,10 +43,11 @@ BatchOf = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 sequence and their positions in it): micro-batch ``micro`` of one step, on the device."""
 
 
-def step_checks(watcher, env: dist_env.DistEnv, last_checkpoint: Callable[[], object]):
+def step_checks(watcher, env: dist_env.DistEnv, last_checkpoint: Callable[[], object], spikes=None):
     """``check(step, loss, first, ranks)`` for :class:`trainer.metrics.StepLog`: what every step's numbers must pass
     once read: few recompiles (``watcher``, :class:`trainer.compile.report.CompileWatcher`, or None), a finite loss
-    on every rank (the error names the last checkpoint, ``last_checkpoint()``)."""
+    on every rank (the error names the last checkpoint, ``last_checkpoint()``), no loss spike (``spikes``, a
+    :class:`SpikeWatch`, or None)."""
     from trainer.compile.report import RecompileLimitError
 
     def check(step: int, loss: float, first: bool, ranks: list[int] | None) -> None:
@@ -54,10 +55,52 @@ def step_checks(watcher, env: dist_env.DistEnv, last_checkpoint: Callable[[], ob
             watcher and watcher.after_step(step, first)
         except RecompileLimitError as e:
             raise TrainingError(str(e)) from None
+        if spikes is not None:
+            spikes.see(step, loss, last_checkpoint())
         if not math.isfinite(loss):
             raise non_finite_loss(loss, step, ranks, env.world_size, last_checkpoint())
 
     return check
+
+
+class SpikeWatch:
+    """Loss spikes: a loss above the mean + ``sigma`` standard deviations of the last ``window`` losses (once that
+    many are in), or a loss that is not finite. The losses are the ones the log reads (one step late on CUDA, the
+    mean over ranks under torchrun): no host sync of its own, and the same decision on every rank. A spike stops
+    the run (``action="stop"``) or raises :class:`trainer.errors.Rollback`; a spike's loss does not enter the
+    window."""
+
+    def __init__(self, window: int, sigma: float, action: str):
+        from collections import deque
+
+        self.losses: deque[float] = deque(maxlen=window)
+        self.sigma, self.action = sigma, action
+
+    def see(self, step: int, loss: float, last) -> None:
+        from trainer.errors import Rollback
+
+        why = None
+        if not math.isfinite(loss):
+            if self.action != "rollback":
+                return  # the check's own error for a loss that is not finite
+            why = f"the loss is {loss}"
+        elif len(self.losses) == self.losses.maxlen:
+            n = len(self.losses)
+            mean = sum(self.losses) / n
+            std = math.sqrt(sum((x - mean) ** 2 for x in self.losses) / (n - 1))
+            if loss > mean + self.sigma * std:
+                why = f"{loss:.4f} > {mean + self.sigma * std:.4f}, the mean + {self.sigma:g} sigma of the last {n}"
+        if why is None:
+            self.losses.append(loss)
+            return
+        if self.action == "rollback":
+            raise Rollback(step, why)
+        kept = f"; the last good checkpoint is {last}" if last else ""
+        raise TrainingError(
+            f"loss spike at step {step}: {why}: stopping without saving{kept}. train.on_spike=rollback goes back to "
+            "the last checkpoint and passes over the batches since it.",
+            all_ranks=True,
+        )
 
 
 def non_finite_loss(loss: float, step: int, ranks: list[int] | None, world_size: int, last) -> TrainingError:

@@ -110,6 +110,47 @@ def torchrun_restart() -> tuple[int | None, int | None]:
     return (int(count) if count and count.isdigit() else None), (int(most) if most and most.isdigit() else None)
 
 
+def roll_back(cfg, env: DistEnv, spike, rollbacks: int) -> Start:
+    """The start that follows a loss spike under ``train.on_spike=rollback`` (``spike``: its
+    :class:`trainer.errors.Rollback`, every rank's the same; ``rollbacks``: those this run made before): the last
+    checkpoint resumed (or a fresh start before the first), and the batches of the steps since it added to
+    ``cfg.train.skip_batches`` (which the checkpoint's sampler keeps from then on). Past ``train.max_rollbacks``
+    the run stops (:class:`trainer.errors.TrainingError`, every rank)."""
+    import gc
+    import traceback
+
+    import torch._dynamo
+
+    from trainer.data import data_step, merge_ranges
+    from trainer.errors import TrainingError
+
+    traceback.clear_frames(spike.__traceback__)  # the given-up run's locals (its model, optimizer, ...) let go
+    torch._dynamo.reset()  # with the compiled graphs of its model, then its memory
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    every_rank(None, env)  # a barrier: a background write that every rank finished is published before it is read
+    root = Path(cfg.run.dir) / "checkpoints"
+    last = root / (root / integrity.LAST).read_text().strip() if (root / integrity.LAST).is_file() else None
+    meta = json.loads((last / integrity.META).read_text()) if last else {}
+    back_to = int(meta.get("step", 0))
+    skip = merge_ranges([*cfg.train.skip_batches, *meta.get("sampler", {}).get("skip", [])])
+    if rollbacks >= cfg.train.max_rollbacks:
+        raise TrainingError(
+            f"{spike}; stopping: train.max_rollbacks={cfg.train.max_rollbacks} rollbacks made already "
+            f"(train.skip_batches is now {skip}). Lower optim.lr or look at the data of these steps.",
+            all_ranks=True,
+        )
+    passed = [data_step(back_to + 1, skip), data_step(spike.step, skip)]
+    cfg.train.skip_batches = merge_ranges([*skip, passed])
+    if env.is_main:
+        console.warn(
+            f"{spike}: rolling back to {last or 'the start'} (step {back_to}) and passing over the batches of steps "
+            f"{passed[0]}-{passed[1]} (rollback {rollbacks + 1} of at most {cfg.train.max_rollbacks})"
+        )
+    return Start(resume=str(last) if last else None, asked="rollback")
+
+
 @contextlib.contextmanager
 def claim(
     run_dir: Path, *, resume: str | None, overwrite: bool, env: DistEnv, say: Callable[[str], None] = console.warn

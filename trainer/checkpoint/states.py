@@ -162,7 +162,8 @@ class SchedulerState:
 
 class SamplerState:
     """The data position. Batches are a pure function of ``(seed, step)`` (:class:`trainer.data.Batches`), so the
-    position is the train state's step: saved for readers of ``meta.json``, nothing to restore."""
+    position is the train state's step; the ranges of steps whose batches are passed over (``skip``: the config's
+    ``train.skip_batches`` and the rollbacks') are restored, joined with this run's."""
 
     def __init__(self, batches, train: TrainState):
         self.batches, self.train = batches, train
@@ -171,7 +172,9 @@ class SamplerState:
         return self.batches.state_dict(next_step=self.train.step)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
+        from trainer.data import merge_ranges
+
+        self.batches.skip = merge_ranges([*self.batches.skip, *state_dict.get("skip", [])])
 
 
 class RNGState:
