@@ -121,7 +121,8 @@ def test_states_round_trip(tmp_path, capsys):
     assert (path.parent / "last").read_text() == "step_000001\n"
     meta = json.loads((path / "meta.json").read_text())
     assert (meta["step"], meta["tokens_seen"], meta["world_size"]) == (1, 16, 1)
-    assert meta["sampler"] == {"seed": cfg.seed, "next_step": 1, "global_batch": 2} and meta["config"] == to_dict(cfg)
+    assert meta["sampler"] == {"seed": cfg.seed, "next_step": 1, "global_batch": 2, "skip": []}
+    assert meta["config"] == to_dict(cfg)
     assert set(torch.load(path / "optim.pt", weights_only=True)) == {"optimizer", "scheduler"}
     saved = {name: state.state_dict() for name, state in states.items()}
 
