@@ -236,7 +236,7 @@ def test_the_stager_copies_each_storage_once_and_keeps_views_and_shared_objects(
     a state dict's _metadata."""
     from collections import OrderedDict
 
-    from trainer.checkpoint.checkpointer import Stager
+    from trainer.checkpoint.background import Stager
 
     flat = torch.arange(12.0)
     betas = (0.9, 0.95)
@@ -255,7 +255,7 @@ def test_the_stager_copies_each_storage_once_and_keeps_views_and_shared_objects(
 
 
 def test_the_dcp_staging_api_background_saves_rely_on_is_there():
-    """Pinned: DCP's stager and its options by the names trainer.checkpoint.checkpointer._ShardWriter uses."""
+    """Pinned: DCP's stager and its options by the names trainer.checkpoint.background.ShardWriter uses."""
     import dataclasses
 
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions

@@ -7,7 +7,6 @@ from trainer.checkpoint.checkpointer import (
     DCP,
     TORCH_SAVE,
     Checkpointer,
-    CheckpointWriteError,
     Storage,
     checkpoint_meta,
     compare_configs,
@@ -15,6 +14,7 @@ from trainer.checkpoint.checkpointer import (
     read,
 )
 from trainer.checkpoint.integrity import LAST, CheckpointError, resolve
+from trainer.checkpoint.write import CheckpointWriteError
 
 __all__ = [
     "DCP",

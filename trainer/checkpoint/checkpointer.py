@@ -31,12 +31,8 @@ run resumes: ``resume=last`` and ``resume=auto`` fall back to the newest intact 
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
-import os
-import shutil
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,19 +42,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from trainer import console
-from trainer.checkpoint import integrity, rundir
-from trainer.checkpoint.integrity import LAST, META, CheckpointError, resolve
-from trainer.distributed.env import DistEnv, every_rank
-from trainer.errors import TrainingError
+from trainer.checkpoint import rundir
+from trainer.checkpoint.background import BackgroundSave, ShardWriter, Stager
+from trainer.checkpoint.integrity import META, CheckpointError, resolve
+from trainer.checkpoint.write import (
+    DCP_DIR,
+    DCP_KEYS,
+    _save_file,
+    save,
+)
+from trainer.distributed.env import DistEnv
 from trainer.faults import fault_point
-from trainer.io import atomic_write, atomic_write_text
+from trainer.io import atomic_write_text
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
-DCP_DIR = "dcp"
-# The states DCP storage keeps in dcp/, and their keys there.
-DCP_KEYS = {"model": "model", "optimizer": "optim"}
 # The states of optim.pt, under their own names.
 OPTIM_KEYS = ("optimizer", "scheduler", "scaler")
 # States a checkpoint may lack: a run with a grad scaler resumes one saved without (fp32 -> fp16), and a rank that
@@ -79,14 +78,6 @@ SHAPE_KEYS = [
     "data.seq_len",
     "optim.name",
 ]
-
-
-# How long the main rank's background writer waits for another rank's files (torch's default collective timeout).
-MARKER_WAIT_S = 600.0
-
-
-class CheckpointWriteError(TrainingError):
-    """A checkpoint could not be written (a full disk, a lost permission): the run stops, ``last`` unchanged."""
 
 
 @dataclass(frozen=True)
@@ -115,132 +106,6 @@ class SideFiles(Protocol):
 
     def load(self, root: Path) -> str | None:
         """Read them from ``root`` on resume; a line for rank 0 to print, or None."""
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_file(obj: Any, path: Path, disk_full: bool = False) -> None:
-    if disk_full:  # fault injection (tests): the disk fills up during this file
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    atomic_write(path, functools.partial(torch.save, obj))
-
-
-def _barrier(env: DistEnv) -> None:
-    if env.distributed:
-        torch.distributed.barrier()
-
-
-def save(root: Path, step: int, write: Callable[[Path], None], env: DistEnv, keep: int) -> Path:
-    """Write the checkpoint of ``step`` atomically, move ``last`` to it, and keep the newest ``keep``.
-
-    Every rank calls this. The main rank makes the temporary directory; then every rank calls ``write(directory)``
-    to write its files there; the ranks agree on whether every write succeeded (a collective), so that a write
-    failing on one rank stops all; the main rank writes the manifest of every rank's files, renames the directory
-    into place, moves ``last`` and prunes.
-
-    Raises:
-        CheckpointWriteError: on every rank, when a rank could not write (a full disk): it names the file, the
-            partial checkpoint is removed, ``last`` still names the previous checkpoint.
-    """
-    name = checkpoint_name(step)
-    final, tmp = root / name, root / f".tmp-{name}"
-    failed = _attempt(_make_empty, tmp, rank=env.rank) if env.is_main else None
-    _barrier(env)
-    failed = failed or _attempt(write, tmp, rank=env.rank)
-    _stop_if_failed(every_rank(failed, env), step, root, tmp if env.is_main else None)
-    published = _attempt(_publish, tmp, final, rank=env.rank) if env.is_main else None
-    _stop_if_failed(every_rank(published, env), step, root, None)
-    if env.is_main:
-        _prune(root, keep)
-        if fault_point("damage_checkpoint", step, env.rank):
-            _cut_largest_file(final)
-    _barrier(env)
-    fault_point("after_checkpoint", step)
-    return final
-
-
-def _make_empty(directory: Path) -> None:
-    if directory.exists():  # a save that a crash interrupted
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Write the manifest of the complete checkpoint ``tmp`` (every rank's files), rename it to ``final`` and point
-    ``last`` at it, each step durable."""
-    root = final.parent
-    integrity.write_manifest(tmp)
-    _fsync_dir(tmp)
-    if final.exists():  # a re-save of the same step (e.g. a signal right after a periodic save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    atomic_write_text(root / LAST, final.name + "\n")
-    _fsync_dir(root)
-
-
-def _attempt(fn: Callable, *args, rank: int) -> tuple[str, int | None, int] | None:
-    """Run ``fn(*args)``; a failure to write (OSError, DCP's CheckpointException) as ``(message, errno, rank)``,
-    else None."""
-    try:
-        fn(*args)
-    except OSError as e:
-        return str(e), e.errno, rank
-    except BaseException as e:
-        if type(e).__name__ != "CheckpointException":  # DCP's: every rank's failures, gathered
-            raise
-        return str(e), None, rank
-    return None
-
-
-def _stop_if_failed(failures: list, step: int, root: Path, partial: Path | None) -> None:
-    """Raise :class:`CheckpointWriteError` on every rank if any rank failed (``failures``: every rank's)."""
-    failed = [f for f in failures if f]
-    if not failed:
-        return
-    if partial is not None:
-        shutil.rmtree(partial, ignore_errors=True)  # frees the space it took; ``last`` never named it
-    message, code, rank = failed[0]
-    message += f" (rank {rank})" if len(failures) > 1 else ""
-    pointer = root / LAST
-    kept = (
-        f"the last checkpoint is still {root / pointer.read_text().strip()} (resume=last continues from it)"
-        if pointer.is_file()
-        else "no checkpoint was saved before this one"
-    )
-    fix = "Free disk space (or set run.dir on another disk)" if code == errno.ENOSPC else "Fix the cause"
-    raise CheckpointWriteError(
-        f"cannot save the checkpoint of step {step}: {message}. Stopped; {kept}. {fix}, then resume.",
-        all_ranks=len(failures) > 1,
-    )
-
-
-def _cut_largest_file(checkpoint: Path) -> None:
-    """Fault injection (tests): cut the largest file of ``checkpoint`` to half its size."""
-    largest = max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    os.truncate(largest, largest.stat().st_size // 2)
-
-
-def _prune(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` intact checkpoints (and the one ``last`` names). A damaged one is neither
-    counted nor deleted (a resume moves it aside); one set aside (``<name>.damaged-N``) is not looked at."""
-    intact = [p for p in integrity.checkpoint_dirs(root) if integrity.damage(p, checksums=False) is None]
-    current = (root / LAST).read_text().strip()
-    for old in intact[:-keep]:
-        if old.name != current:
-            shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step_*"):  # a save that a crash interrupted
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _load_file(path: Path, device: torch.device) -> Any:
@@ -399,168 +264,6 @@ def compare_configs(saved: dict, current: dict, path: Path) -> list[str]:
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-class Stager:
-    """Copies a snapshot's tensors to host memory, so that training may change the originals while a thread
-    writes the copies. Each storage is copied whole, once, and the tensors are rebuilt on the copies with their
-    offsets and strides: tensors that shared a storage still do (tied weights, views of one buffer), and the files
-    written are those the originals would give. On CUDA the copies go to pinned buffers kept from one save to the
-    next (the states keep their storages), with one synchronize for all of them; on the CPU they are clones.
-    Containers are rebuilt, other values kept (training does not change them in place)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._pinned: dict[tuple[int, int], torch.UntypedStorage] = {}  # (device address, bytes) -> host buffer
-
-    def stage(self, obj: Any) -> Any:
-        copies: dict = {}  # this snapshot's storages (by device and address) and objects (by id), each copied once
-        out = self._copy(obj, copies)
-        if self.cuda:
-            torch.cuda.synchronize()  # the non-blocking copies into the pinned buffers are complete
-            # The buffers of storages this snapshot no longer has are freed.
-            used = {id(s) for key, s in copies.items() if isinstance(key, tuple)}
-            self._pinned = {k: v for k, v in self._pinned.items() if id(v) in used}
-        return out
-
-    def _storage(self, t: torch.Tensor, copies: dict) -> torch.UntypedStorage:
-        src = t.untyped_storage()
-        key = (src.device.type, src.data_ptr())
-        if key in copies:
-            return copies[key]
-        if src.device.type == "cpu" or not self.cuda:
-            copy = src.clone()
-        else:
-            buf_key = (src.data_ptr(), src.nbytes())
-            copy = self._pinned.get(buf_key)
-            if copy is None:
-                copy = self._pinned[buf_key] = torch.empty(
-                    src.nbytes(), dtype=torch.uint8, pin_memory=True
-                ).untyped_storage()
-            copy.copy_(src, non_blocking=True)
-        copies[key] = copy
-        return copy
-
-    def _copy(self, obj: Any, copies: dict) -> Any:
-        """``obj`` with its tensors on the copies; an object met twice is copied once (as pickle writes it once:
-        the param groups' shared betas, a tensor under two names)."""
-        if id(obj) in copies:
-            return copies[id(obj)][1]
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach()
-            out = torch.empty((), dtype=t.dtype).set_(
-                self._storage(t, copies), t.storage_offset(), t.size(), t.stride()
-            )
-        elif isinstance(obj, dict):
-            out = type(obj)((k, self._copy(v, copies)) for k, v in obj.items())
-            if attrs := getattr(obj, "__dict__", None):  # a state dict's _metadata (its modules' versions)
-                out.__dict__.update(self._copy(attrs, copies))
-        elif isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            out = type(obj)(self._copy(v, copies) for v in obj)
-        else:
-            return obj
-        copies[id(obj)] = (obj, out)  # the original kept alive, so that its id is not reused during the copy
-        return out
-
-
-class _BackgroundSave:
-    """One checkpoint written by a thread on every rank (:class:`Checkpointer` with ``background``).
-
-    The temporary directory is made at once (every rank waits for it); then each rank's thread writes its files
-    and a marker saying whether they were written. The main rank's thread waits for every rank's marker, then
-    publishes the checkpoint as :func:`save` does (manifest, rename, ``last``, prune), with no collective, so the
-    step's collectives are never interleaved with a checkpoint's. :meth:`join` gathers every rank's result."""
-
-    def __init__(self, owner: Checkpointer, step: int, snapshot: dict[str, Any], shards: _ShardWriter | None):
-        self.owner, self.step, env = owner, step, owner.env
-        name = checkpoint_name(step)
-        self.final, self.tmp = owner.root / name, owner.root / f".tmp-{name}"
-        failed = _attempt(_make_empty, self.tmp, rank=env.rank) if env.is_main else None
-        _stop_if_failed(every_rank(failed, env), step, owner.root, self.tmp if env.is_main else None)
-        # DCP's shards: staged now (the copies to host memory), written by the thread.
-        self.shards = shards.stage(owner.states, self.tmp / DCP_DIR) if shards is not None else None
-        self.failed: tuple[str, int | None, int] | None = None
-        self.published: Path | None = None
-        self.thread = threading.Thread(target=self._run, args=(snapshot,), name=f"checkpoint-{name}", daemon=True)
-        self.thread.start()
-
-    def _marker(self, rank: int) -> Path:
-        return self.tmp / f".written-rank{rank}"
-
-    def _run(self, snapshot: dict[str, Any]) -> None:
-        env = self.owner.env
-        try:
-            write = functools.partial(self.owner._write, snapshot, self.step, shards=self.shards)
-            self.failed = _attempt(write, self.tmp, rank=env.rank)
-            if not env.is_main:
-                atomic_write_text(self._marker(env.rank), json.dumps(self.failed))
-                return
-            if self.failed is None:
-                self.failed = self._others_failed()
-            if self.failed is None:
-                for r in range(env.world_size):
-                    self._marker(r).unlink(missing_ok=True)
-                self.failed = _attempt(_publish, self.tmp, self.final, rank=env.rank)
-            if self.failed is None:
-                self.published = self.final
-                _prune(self.owner.root, self.owner.keep)
-                if fault_point("damage_checkpoint", self.step, env.rank):
-                    _cut_largest_file(self.final)
-        except BaseException as e:  # noqa: BLE001 - said on every rank by join(), not lost in the thread
-            self.failed = (f"{type(e).__name__}: {e}", None, env.rank)
-
-    def _others_failed(self) -> tuple[str, int | None, int] | None:
-        """The first other rank's failure, once every rank's marker is there (polled: no collective)."""
-        env = self.owner.env
-        deadline = time.monotonic() + MARKER_WAIT_S
-        for r in range(1, env.world_size):
-            while not self._marker(r).exists():
-                if time.monotonic() > deadline:
-                    return f"rank {r} did not finish writing its files", None, r
-                time.sleep(0.02)
-            if (failed := json.loads(self._marker(r).read_text())) is not None:
-                return tuple(failed)
-        return None
-
-    def join(self) -> Path | None:
-        started = time.monotonic()
-        self.thread.join(5.0)
-        if self.thread.is_alive():
-            console.info(f"waiting for the checkpoint of step {self.step} to be written in the background")
-            self.thread.join()
-        waited, env = time.monotonic() - started, self.owner.env
-        _stop_if_failed(every_rank(self.failed, env), self.step, self.owner.root, self.tmp if env.is_main else None)
-        if waited > 5.0 and env.is_main:
-            console.info(f"  written after {waited:.0f} s more")
-        return self.published
-
-
-class _ShardWriter:
-    """DCP's shards of a background write: the model's and optimizer's state dicts (DTensors) copied to host memory
-    by DCP's stager (pinned on CUDA, its buffers reused), then written by ``dcp.save`` in the writing thread over a
-    gloo group of its own (:func:`trainer.distributed.env.background_group`)."""
-
-    def __init__(self, env: DistEnv):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        from trainer.distributed.env import background_group
-
-        self.cuda = cuda = env.device.type == "cuda"
-        self.group = background_group(env)
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=cuda))  # fmt: skip
-
-    def stage(self, states: dict[str, Stateful], directory: Path) -> Callable[[], None]:
-        """Copy the shards now; returns the write, for the thread."""
-        import torch.distributed.checkpoint as dcp
-
-        staged = self.stager.stage({key: states[name].named().state_dict() for name, key in DCP_KEYS.items()})
-        if self.cuda:
-            torch.cuda.synchronize()  # the stager's non-blocking copies are complete before training goes on
-        return functools.partial(dcp.save, staged, checkpoint_id=str(directory), process_group=self.group)
-
-    def close(self) -> None:
-        self.stager.close()
-
-
 class Checkpointer:
     """A run's checkpoints: its states saved by every rank together, atomically, and loaded on resume.
 
@@ -575,9 +278,9 @@ class Checkpointer:
             with the checkpoint's.
         keep: how many complete checkpoints to keep (the newest).
         beside: files kept beside the checkpoints (:class:`SideFiles`), saved with each and loaded on resume.
-        background: write the files in a thread (``checkpoint.async_save``, the one-file format): :meth:`save`
-            returns once the states are copied to host memory (:class:`Stager`); ``last`` moves when every rank's
-            files are written, and :meth:`wait` (the next save, the run's end) raises a failure on every rank.
+        background: write the files in a thread (``checkpoint.async_save``, :mod:`trainer.checkpoint.background`):
+            :meth:`save` returns once the states are copied to host memory; ``last`` moves when every rank's files
+            are written, and :meth:`wait` (the next save, the run's end) raises a failure on every rank.
     """
 
     def __init__(
@@ -595,9 +298,11 @@ class Checkpointer:
         assert set(states) <= {*DCP_KEYS, *OPTIM_KEYS, "train", "sampler", "rng"}, f"no place for {sorted(states)}"
         self.states, self.storage, self.root, self.env = states, storage, run_dir / "checkpoints", env
         self.config, self.keep, self.beside, self.background = config, keep, beside, background
+        from trainer.checkpoint.background import ShardWriter
+
         self._stager = Stager(env.device)
-        self._pending: _BackgroundSave | None = None
-        self._shards: _ShardWriter | None = _ShardWriter(env) if background and storage.sharded else None
+        self._pending: BackgroundSave | None = None
+        self._shards: ShardWriter | None = ShardWriter(env) if background and storage.sharded else None
         self.last: Path | None = None  # the newest checkpoint this process wrote
         self.resumed: Path | None = None  # the checkpoint this run resumed from
 
@@ -614,7 +319,7 @@ class Checkpointer:
             for files in self.beside:  # beside the checkpoints, not in one: written now, in either mode
                 files.save(self.root)
         if self.background:
-            self._pending = _BackgroundSave(self, step, self._stager.stage(snapshot), self._shards)
+            self._pending = BackgroundSave(self, step, self._stager.stage(snapshot), self._shards)
             if wait:
                 self.wait()
         else:
