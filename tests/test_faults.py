@@ -316,3 +316,15 @@ def test_a_spike_on_one_rank_rolls_back_every_rank(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = ({row["step"]: row["loss"] for row in _rows(tmp_path / d) if "loss" in row} for d in "ab")
     assert sorted(a) == list(range(1, 31)) and a == b, (a, b)
+
+
+def test_a_spike_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """train.on_spike=skip on 2 gloo ranks under ddp: rank 1's loss spikes at step 15. Each rank compares the mean
+    over the ranks before its update, so both skip it (had one applied it, the replicas would differ at the next
+    checkpoint's comparison and the run would stop), and the run ends."""
+    args = ("train.steps=20", "checkpoint.every=10", "train.spike_window=4", "train.on_spike=skip")
+    r, _ = _torchrun("cpu", *args, f"run.dir={tmp_path}", fault="spike:15@1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("step 15: loss spike: ") == 1, r.stderr[-3000:]  # said by rank 0
+    last = [row for row in _rows(tmp_path) if "loss" in row][-1]
+    assert last["step"] == 20 and last["skipped_steps"] == 1

@@ -322,6 +322,36 @@ def test_a_rolled_back_spike_trains_as_a_run_that_skipped_its_batches(tmp_path, 
     assert starts == [None, "rollback"]
 
 
+def test_a_skipped_spike_leaves_the_model_and_optimizer_as_the_step_before(tmp_path, capsys, monkeypatch):
+    """train.on_spike=skip: step 15's loss spikes; the step compares it with the limit before its update and skips
+    the update. The checkpoint of step 15 holds the model and optimizer of step 14, bit for bit, and the run goes
+    on; metrics count the skipped step and its tokens are not counted as seen."""
+    extra = ("train.on_spike=skip", "checkpoint.keep=20", "checkpoint.every=1", "train.steps=16")
+    r = _spiked(capsys, tmp_path, monkeypatch, *extra)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("step 15: loss spike: ") == 1 and "; update skipped" in r.stderr, r.stderr
+
+    def load(step, name):
+        return _tensors(torch.load(tmp_path / f"checkpoints/step_{step:06d}/{name}.pt", weights_only=False))
+
+    for name in ("model", "optim"):
+        assert load(14, name) and _equal(load(14, name), load(15, name)), name
+    assert not _equal(load(15, "model"), load(16, "model"))  # step 16 trains again
+    rows = [x for x in _metrics(tmp_path) if "loss" in x]
+    assert rows[-1]["skipped_steps"] == 1 and rows[-1]["tokens"] == rows[0]["tokens"] * 15
+
+
+def _tensors(tree) -> list:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list | tuple) else []
+    return [t for x in items for t in _tensors(x)]
+
+
+def _equal(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_a_spike_stops_the_run_by_default_and_past_max_rollbacks(tmp_path, capsys, monkeypatch):
     r = _spiked(capsys, tmp_path / "stop", monkeypatch)
     assert r.returncode == 1 and "loss spike at step 15: " in r.stderr and "train.on_spike=rollback" in r.stderr

@@ -12,6 +12,7 @@ from trainer.config import ConfigError, load_config
         ("distributed.strategy=fsdp", "distributed.strategy"),
         ("optim.impl=compiled", "optim.impl"),
         ("train.on_nan=skip", "train.on_nan"),
+        ("train.on_spike=skip", "train.on_spike"),
         ("train.precision=fp16", "train.precision"),
         ("compile.autograd=true", "compile.autograd"),
         ("compile.mode=reduce-overhead", "compile.mode"),
@@ -61,3 +62,62 @@ def test_graphed_step_equals_ungraphed(tmp_path, impl):
         # Steps 1-3 run ungraphed in both; from step 4 the replay runs the same kernels on the same inputs,
         # with the schedule's lr read from the optimizer's lr tensor: equal up to float noise.
         assert abs(a[step] - b[step]) < 1e-5, (step, a[step], b[step])
+
+
+@pytest.mark.gpu
+def test_spike_detection_adds_no_host_sync_to_the_graphed_step(tmp_path, monkeypatch):
+    """The spike checks (train.on_spike stop and rollback) read the losses the log reads: from the 6th step on (the
+    graph replayed) a run makes the same host syncs with them as with the check taken out. Counted: CUDA event,
+    stream and device synchronizations, and the synchronizing ops torch's sync debug mode reports."""
+    import warnings
+
+    import torch
+
+    from trainer import step as step_module
+    from trainer.loop import Trainer
+
+    counts = {"n": 0, "on": False}
+
+    def counting(fn):
+        def wrapped(*a, **k):
+            counts["n"] += counts["on"]
+            return fn(*a, **k)
+
+        return wrapped
+
+    for owner, name in (
+        (torch.cuda.Event, "synchronize"),
+        (torch.cuda.Stream, "synchronize"),
+        (torch.cuda, "synchronize"),
+    ):
+        monkeypatch.setattr(owner, name, counting(getattr(owner, name)))
+    call = step_module.TrainStep.__call__
+
+    def step_call(self, batch_of, step=0):
+        if self.calls == 5:  # from the 6th step: replays
+            counts.update(on=True, since=len(counts["caught"]))
+        return call(self, batch_of, step)
+
+    monkeypatch.setattr(step_module.TrainStep, "__call__", step_call)
+    common = [*FAST, *GPU_CACHE, "train.device=cuda", "compile.enabled=true", "compile.cudagraphs=true",
+              "train.steps=40", "log.every=10", "train.spike_window=8", "checkpoint.enabled=false"]  # fmt: skip
+
+    def syncs(*extra) -> int:
+        counts.update(n=0, on=False, since=0)
+        cfg = load_config(ROOT / "configs/tiny.yaml", [*common, *extra, f"run.dir={tmp_path / str(len(seen))}"])
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as counts["caught"]:
+                warnings.simplefilter("always")
+                Trainer(cfg).fit()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return counts["n"] + sum("synchronizing" in str(w.message) for w in counts["caught"][counts["since"] :])
+
+    seen = {}
+    seen["stop"] = syncs("train.on_spike=stop")
+    seen["rollback"] = syncs("train.on_spike=rollback")
+    monkeypatch.setattr(step_module.SpikeWatch, "see", lambda self, step, loss, last: None)
+    seen["none"] = syncs("train.on_spike=stop")
+    print("host syncs from step 6 to 40:", seen)
+    assert 0 < seen["none"] <= 2 * 35 and seen["stop"] == seen["rollback"] == seen["none"], seen

@@ -132,6 +132,40 @@ def test_a_non_finite_step_is_skipped_when_asked_and_the_update_never_runs():
     assert not out.skipped and len(opt.seen) == 1
 
 
+def test_a_step_above_the_spike_limit_is_skipped_and_the_update_never_runs():
+    """train.on_spike=skip: the step compares its loss with the limit before its update; above it, or not finite,
+    the update is skipped with the reason; below it, the update runs."""
+    model = Regression()
+    opt = RecordingSGD(model.parameters())
+    batch_of = _batches(1)
+    loss = _step(model, opt, grad_accum=1)(batch_of).loss.item()  # an ordinary step: the loss of the batch
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.seen.clear()
+    out = _step(model, opt, spike_limit=lambda: (loss / 2, "half the loss"))(batch_of)
+    assert out.skipped.startswith("loss spike: ") and out.skipped.endswith(", half the loss") and opt.seen == []
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    nan = lambda micro: (torch.full((8, 4), float("nan")), torch.zeros(8))  # noqa: E731
+    out = _step(model, opt, spike_limit=lambda: (float("inf"), ""))(nan)  # the window not yet full
+    assert "is nan" in out.skipped and opt.seen == []
+    out = _step(model, opt, spike_limit=lambda: (loss * 2, "twice the loss"))(batch_of)
+    assert not out.skipped and len(opt.seen) == 1
+
+
+def test_the_spike_limit_is_the_mean_plus_sigma_standard_deviations_of_a_full_window():
+    from trainer.step import SpikeWatch
+
+    watch = SpikeWatch(window=4, sigma=2.0, action="skip")
+    for step, loss in enumerate([1.0, 2.0, 3.0], 1):
+        watch.see(step, loss, None)
+        assert watch.limit() == (float("inf"), "")  # no spike is called before the window is full
+    watch.see(4, 4.0, None)
+    limit, what = watch.limit()
+    assert limit == pytest.approx(2.5 + 2.0 * (5 / 3) ** 0.5) and what == "the mean + 2 sigma of the last 4"
+    watch.see(5, 100.0, None)  # skip: the step skipped it; not raised, and kept out of the window
+    assert watch.limit()[0] == pytest.approx(limit)
+
+
 class SelfClipping(RecordingSGD):
     """An optimizer that computes the norm and clips inside its own step (as the Triton AdamW does)."""
 

@@ -298,8 +298,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_rules.Plan, env):
-    """The :class:`trainer.step.TrainStep` the plan describes (``model``: what :func:`wrap` returned)."""
+def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_rules.Plan, env, spikes=None):
+    """The :class:`trainer.step.TrainStep` the plan describes (``model``: what :func:`wrap` returned; ``spikes``: the
+    run's :class:`trainer.step.SpikeWatch`, whose limit a step compares its loss with under train.on_spike=skip)."""
     from trainer.distributed import sync
     from trainer.step import TrainStep
 
@@ -315,6 +316,7 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
         env=env,
         graphed=plan.graphed,
         skip_non_finite=cfg.train.on_nan == "skip",
+        spike_limit=spikes.limit if spikes is not None and cfg.train.on_spike == "skip" else None,
         backward_ctx=backward_context(cfg),
         fallback=eager_fallback(raw_model, plan, env, opt=opt),
         sync=sync.of(model, plan),

@@ -22,10 +22,10 @@ def fault_point(point: str, step: int, rank: int = 0) -> bool:
     it to every rank, as a scheduler stopping the job does (outside torchrun, to this process); ``raise`` (a step
     launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks), ``wrong_sum`` (every
     rank's losses, as this rank received them), ``replica_drift`` (this rank's parameters, before the ddp replicas
-    are compared), ``spike`` (this rank's loss, as read for the checks, ten times larger), ``disk_full`` (this
-    rank's last checkpoint file fails with ENOSPC) and ``damage_checkpoint`` (the main rank, once the checkpoint is
-    published: its largest file is cut to half its size, as a disk or a copy damages one) return True for the caller
-    to act on. Returns False everywhere else.
+    are compared), ``spike`` (this rank's loss as its step returns it, ten times larger; the gradients are
+    unchanged), ``disk_full`` (this rank's last checkpoint file fails with ENOSPC) and ``damage_checkpoint`` (the
+    main rank, once the checkpoint is published: its largest file is cut to half its size, as a disk or a copy
+    damages one) return True for the caller to act on. Returns False everywhere else.
     """
     spec = next((s for s in os.environ.get("TRAINER_FAULT", "").split(",") if _fires(s, point, step, rank)), None)
     if spec is None or spec in _FIRED:

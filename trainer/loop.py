@@ -92,11 +92,11 @@ class Trainer:
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
                           tensorboard=cfg.log.tensorboard, start_step=progress.step)  # fmt: skip
         model, self.splitter = build.wrap(raw_model, resolved, env, opt=opt)
-        train_step = build.train_step(model, raw_model, opt, scaler, resolved, env)
+        spikes = SpikeWatch(cfg.train.spike_window, cfg.train.spike_sigma, cfg.train.on_spike)
+        train_step = build.train_step(model, raw_model, opt, scaler, resolved, env, spikes)
         tokens_per_step = batches.global_batch * cfg.data.seq_len
         describe.say_startup(resolved, raw_model, corpus, tokens_per_step, opt, threads)  # the run, its path, notes
         watcher = build.compile_watcher(resolved, model=raw_model)
-        spikes = SpikeWatch(cfg.train.spike_window, cfg.train.spike_sigma, cfg.train.on_spike)
         check = step_checks(watcher, env, lambda: ckpts.last, spikes)  # recompiles; a finite loss, no spike
         log = StepLog(metrics, env=env, start_step=progress.step, last_step=cfg.train.steps, log_every=cfg.log.every,
                       tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(raw_model, cfg.data.seq_len),
@@ -106,7 +106,7 @@ class Trainer:
         try:
             while progress.step < cfg.train.steps:
                 lr = sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch)  # this step's, as a float
-                out = train_step(functools.partial(batches.train_batch, progress.step))  # (micro) -> (x, y)
+                out = train_step(functools.partial(batches.train_batch, progress.step), progress.step + 1)
                 sched.step()  # a graphed step reads the new lr from the optimizer's lr tensor, which this fills
                 step = progress.advance(0 if out.skipped else tokens_per_step)
                 log.launched(step, out, lr, progress.tokens_seen)  # and writes the step before it

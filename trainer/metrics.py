@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainer import console
+from trainer import console, startup
 from trainer.distributed.env import per_rank
 from trainer.errors import TrainingError
 from trainer.faults import fault_point
@@ -345,6 +345,8 @@ class StepLog:
         self.pending: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}  # the newest record written
         self.checkpoint_s = 0.0  # the seconds the steps waited for checkpoints since the last record
+        self.skipped = 0  # steps whose update was skipped, in this start
+        startup.mark("wrap")
 
     def launched(self, step: int, out, lr: float, tokens: int) -> None:
         """Queue step ``step`` (``out``: its :class:`~trainer.step.StepOutput`, numbers still on the device) and
@@ -356,8 +358,6 @@ class StepLog:
         fault_point("raise", step, rank)  # tests: this rank fails here
         if fault_point("nan_loss", step, rank):  # tests: this rank's loss is not finite
             loss = loss * float("nan")
-        if fault_point("spike", step, rank):  # tests: this rank's loss spikes (as read: the step is unchanged)
-            loss = loss * 10.0
         losses = per_rank(loss, self.env) if self.env.distributed else loss  # (world,): every rank's
         if fault_point("wrong_sum", step, rank):  # tests: the losses' all-reduce gives a wrong sum on this rank
             losses = losses * 4
@@ -382,8 +382,9 @@ class StepLog:
             _check_own_slot(loss, own, self.env.rank, step)
             ranks, loss = [r for r, x in enumerate(loss) if not math.isfinite(x)], sum(loss) / len(loss)
         self.timer.tick(self.tokens_per_step, first=first)
-        if p["out"].skipped:  # not finite, and not applied: train.on_nan=skip
-            console.warn(f"step {step}: non-finite loss or gradient norm; update skipped")
+        if p["out"].skipped:  # not applied: train.on_nan=skip, train.on_spike=skip
+            self.skipped += 1
+            console.warn(f"step {step}: {p['out'].skipped}; update skipped")
         else:
             self.check(step, loss, first, ranks)
         self.metrics.advance(step, loss, self.timer.last_tps)
@@ -399,8 +400,12 @@ class StepLog:
             "step_time": step_time,
             "tokens": p["tokens"],
         }
+        if self.skipped:
+            record["skipped_steps"] = self.skipped
         if first:
             record["first_step_s"] = step_time
+            if (phases := startup.phases()) is not None:  # where this process's start went (trainer.startup)
+                record["startup_s"], record["process_started_at"] = phases, startup.started_at()
         elif self.peak_flops is not None:
             record["mfu"] = self.flops_per_token * tps / self.env.world_size / self.peak_flops
         if self.env.device.type == "cuda":  # the caching allocator's counters, read on the host: no device sync
@@ -435,6 +440,8 @@ class StepLog:
             "median_step_s": self.timer.median_step_s,
             **extra,
         }
+        if self.skipped:
+            out["skipped_steps"] = self.skipped
         if self.env.device.type == "cuda":
             out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.env.device) / 1e9
         return out

@@ -209,11 +209,13 @@ class TrainConfig:
     """Micro-batches per validation pass."""
     on_nan: str = _f("stop", choices=["stop", "skip"])
     """On a NaN/inf loss: stop the run, or skip the step's update."""
-    on_spike: str = _f("stop", choices=["stop", "rollback"])
+    on_spike: str = _f("stop", choices=["stop", "skip", "rollback"])
     """On a loss spike (a loss above the mean + train.spike_sigma standard deviations of the last train.spike_window
-    steps' losses, read as the log reads them: no host sync of its own; or a NaN/inf loss, unless train.on_nan=skip
-    skips it): stop the run, or roll back: load the last checkpoint, pass over the batches of the steps since it
-    (train.skip_batches gains them), and go on; at most train.max_rollbacks times."""
+    steps' losses, the mean over ranks; or a NaN/inf loss, unless train.on_nan=skip skips it): stop the run; skip
+    the step's update (the step compares its loss before the update: one host sync per step, as train.on_nan=skip,
+    and no graphed step); or roll back: load the last checkpoint, pass over the batches of the steps since it
+    (train.skip_batches gains them), and go on, at most train.max_rollbacks times. stop and rollback read the losses
+    as the log reads them: no host sync of their own."""
     spike_sigma: float = _f(6.0, gt=0.0)
     """A loss spike is this many standard deviations above the mean of the window (OLMo-core's 6)."""
     spike_window: int = _f(128, ge=2)
@@ -271,9 +273,9 @@ class CompileConfig:
     cudagraphs: bool | str = _f("auto", choices=["auto", True, False])
     """After 3 ordinary steps, capture the whole step (forward, backward, clipping, optimizer; with ddp the bucket
     all-reduces too) as one CUDA graph and replay it. auto = on wherever the step allows it: CUDA, compiled, static
-    shapes, adamw or adam with optim.impl auto/fused/foreach/triton, not fsdp, not fp16, not train.on_nan=skip, not
-    distributed.shard_optimizer (the startup line says why when it is off); true insists, and a config it cannot
-    apply is an error."""
+    shapes, adamw or adam with optim.impl auto/fused/foreach/triton, not fsdp, not fp16, not train.on_nan=skip or
+    train.on_spike=skip, not distributed.shard_optimizer (the startup line says why when it is off); true insists,
+    and a config it cannot apply is an error."""
     cache_dir: str | None = None
     """Compile cache directory; null = inside the run directory."""
 
@@ -445,6 +447,7 @@ def graphed_step_settings(cfg: Config) -> dict:
         "optim_name": cfg.optim.name,
         "precision": cfg.train.precision,
         "on_nan": cfg.train.on_nan,
+        "on_spike": cfg.train.on_spike,
         "autograd": c.autograd,
         "dynamic": c.dynamic,
         "mode": c.mode,

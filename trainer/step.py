@@ -13,7 +13,7 @@ The same object runs the step three ways:
   each later call copies its batch into the graph's inputs and replays it.
 
 Nothing here waits for the GPU: the loss and the norm come back as device tensors (the caller reads them a step
-later), except with ``skip_non_finite``, which must know before the update whether the step was finite.
+later), except with ``skip_non_finite`` or ``spike_limit``, which must know before the update whether to skip it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from trainer.distributed.ddp import replicas_differ
 from trainer.distributed.fsdp import is_sharded
 from trainer.distributed.sync import GradSync, NoSync
 from trainer.errors import TrainingError
+from trainer.faults import fault_point
 from trainer.models import loss_of
 
 # Ordinary (compiled) steps before the capture: every kernel compiled and run once, the allocator warm.
@@ -76,22 +77,28 @@ class SpikeWatch:
         self.losses: deque[float] = deque(maxlen=window)
         self.sigma, self.action = sigma, action
 
+    def limit(self) -> tuple[float, str]:
+        """The loss above which a step is a spike now (inf until the window is full), and what it is."""
+        n = len(self.losses)
+        if n < self.losses.maxlen:
+            return math.inf, ""
+        mean = sum(self.losses) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in self.losses) / (n - 1))
+        return mean + self.sigma * std, f"the mean + {self.sigma:g} sigma of the last {n}"
+
     def see(self, step: int, loss: float, last) -> None:
         from trainer.errors import Rollback
 
-        why = None
+        why, (limit, what) = None, self.limit()
         if not math.isfinite(loss):
             if self.action != "rollback":
-                return  # the check's own error for a loss that is not finite
+                return  # the check's own error for a loss that is not finite (skip: the step skipped it)
             why = f"the loss is {loss}"
-        elif len(self.losses) == self.losses.maxlen:
-            n = len(self.losses)
-            mean = sum(self.losses) / n
-            std = math.sqrt(sum((x - mean) ** 2 for x in self.losses) / (n - 1))
-            if loss > mean + self.sigma * std:
-                why = f"{loss:.4f} > {mean + self.sigma * std:.4f}, the mean + {self.sigma:g} sigma of the last {n}"
-        if why is None:
-            self.losses.append(loss)
+        elif loss > limit:
+            why = f"{loss:.4f} > {limit:.4f}, {what}"
+        if why is None or self.action == "skip":  # skip: the step compared its loss before its update
+            if why is None:
+                self.losses.append(loss)
             return
         if self.action == "rollback":
             raise Rollback(step, why)
@@ -153,8 +160,9 @@ class StepOutput(NamedTuple):
     """The mean loss over the step's micro-batches (this rank's), a device scalar."""
     grad_norm: torch.Tensor | None
     """The global gradient norm before clipping, a device scalar (None when nothing reported one)."""
-    skipped: bool = False
-    """The update was skipped: the loss or the norm was not finite (``train.on_nan=skip``)."""
+    skipped: str = ""
+    """Why the update was skipped ("" when it was not): the loss or the norm was not finite (``train.on_nan=skip``),
+    or the loss was a spike (``train.on_spike=skip``)."""
 
 
 class TrainStep:
@@ -171,6 +179,8 @@ class TrainStep:
         env: the process environment (the device; the ranks agree on a skipped step).
         graphed: capture the whole step as one CUDA graph after :data:`GRAPH_AFTER_STEPS` ordinary steps.
         skip_non_finite: skip the update of a step whose loss or norm is not finite (one host sync per step).
+        spike_limit: ``() -> (limit, what it is)``: skip the update of a step whose loss, the mean over ranks, is
+            above ``limit`` or not finite (:meth:`SpikeWatch.limit`; one host sync per step); None: no such check.
         backward_ctx: a factory of the context each micro-step runs in (compiled autograd), or None.
         fallback: on a compile failure, ``fallback(model, sync) -> (eager model, its sync)`` to go on with; None
             stops the run.
@@ -190,6 +200,7 @@ class TrainStep:
         scaler=None,
         graphed: bool = False,
         skip_non_finite: bool = False,
+        spike_limit: Callable[[], tuple[float, str]] | None = None,
         backward_ctx: Callable | None = None,
         fallback: Callable | None = None,
         sync: GradSync | None = None,
@@ -198,7 +209,7 @@ class TrainStep:
         self.sync = sync or NoSync()
         self.accum, self.grad_clip = grad_accum, grad_clip
         self.graphed = graphed and env.device.type == "cuda"
-        self.skip_non_finite = skip_non_finite
+        self.skip_non_finite, self.spike_limit = skip_non_finite, spike_limit
         self.backward_ctx = backward_ctx or contextlib.nullcontext
         self.fallback = fallback
         device = env.device
@@ -212,16 +223,20 @@ class TrainStep:
         self.calls = 0
         self.graph = None  # the captured step (a GraphedStep), once there is one
 
-    def __call__(self, batch_of: BatchOf) -> StepOutput:
-        """Run one optimizer step on the micro-batches ``batch_of(0) ... batch_of(grad_accum - 1)``."""
+    def __call__(self, batch_of: BatchOf, step: int = 0) -> StepOutput:
+        """Run one optimizer step on the micro-batches ``batch_of(0) ... batch_of(grad_accum - 1)`` (``step``: its
+        number, for the fault points)."""
         self.calls += 1
         if self.graphed and self.calls > GRAPH_AFTER_STEPS:
-            return self._replay(batch_of)
+            out = self._replay(batch_of)
+            return out._replace(loss=out.loss * 10.0) if fault_point("spike", step, self.env.rank) else out
         loss = self._forward_backward_or_fall_back(batch_of)
+        if fault_point("spike", step, self.env.rank):  # tests: this rank's loss spikes (as read; the update is not)
+            loss = loss * 10.0
         norm = self._reduce_and_clip()
-        if self.skip_non_finite and not _all_finite(loss, norm, self.env):  # a host sync
+        if why := self._why_skipped(loss, norm):  # a host sync, when asked for
             self.opt.zero_grad(set_to_none=True)
-            return StepOutput(loss, norm, skipped=True)
+            return StepOutput(loss, norm, skipped=why)
         if self.scaler is not None:
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -229,6 +244,23 @@ class TrainStep:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return StepOutput(loss, norm)
+
+    def _why_skipped(self, loss: torch.Tensor, norm) -> str:
+        """Why this step's update is skipped (train.on_nan=skip, train.on_spike=skip); "" if it is not. The same
+        answer on every rank: the loss compared is the mean over ranks, a non-finite loss on any rank skips."""
+        if self.spike_limit is not None:
+            limit, what = self.spike_limit()
+            mean = dist_env.all_reduce_mean(loss.detach().float(), self.env)  # every rank gets the same value
+            got = torch.stack([mean, torch.as_tensor(0.0 if norm is None else norm, device=mean.device).float()])
+            mean, norm_ = got.tolist()  # the host sync
+            if not (math.isfinite(mean) and math.isfinite(norm_)):
+                return f"the loss (mean over ranks) is {mean:g} and the gradient norm {norm_:g}: a spike"
+            if mean > limit:
+                return f"loss spike: {mean:.4f} > {limit:.4f}, {what}"
+            return ""
+        if self.skip_non_finite and not _all_finite(loss, norm, self.env):
+            return "non-finite loss or gradient norm"
+        return ""
 
     def forward_backward(self, batch_of: BatchOf) -> torch.Tensor:
         """Every micro-batch's forward and backward (gradients accumulated, reduced on the last); the mean loss."""

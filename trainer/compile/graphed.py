@@ -32,8 +32,8 @@ ahead of the GPU without it (GPT-2 124M under ddp), the graphed step runs at the
 pays where the host is the bottleneck.
 
 Not supported (refused by the config): fp16 with a grad scaler (its skip-step logic reads the host),
-``train.on_nan=skip`` (the step is inside the graph), FSDP (its hooks run Python between kernels),
-``distributed.shard_optimizer`` (its optimizer keeps a float lr and is not made capturable).
+``train.on_nan=skip`` and ``train.on_spike=skip`` (the update is inside the graph), FSDP (its hooks run Python
+between kernels), ``distributed.shard_optimizer`` (its optimizer keeps a float lr and is not made capturable).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def requirements(
     optim_name: str,
     precision: str,
     on_nan: str,
+    on_spike: str,
     autograd: bool,
     dynamic: bool | None,
     mode: str,
@@ -66,6 +67,7 @@ def requirements(
         optim_name: ``optim.name``.
         precision: ``train.precision``.
         on_nan: ``train.on_nan``.
+        on_spike: ``train.on_spike``.
         autograd: ``compile.autograd``.
         dynamic: ``compile.dynamic``.
         mode: ``compile.mode``.
@@ -90,6 +92,7 @@ def requirements(
             "auto, fused, foreach or triton",
         ),
         (on_nan == "skip", "train.on_nan", on_nan, "stop (the update happens inside the graph)"),
+        (on_spike == "skip", "train.on_spike", on_spike, "stop or rollback (the update happens inside the graph)"),
         (precision == "fp16", "train.precision", precision, "bf16 or fp32 (no grad scaler in the graph)"),
         (autograd, "compile.autograd", autograd, "false"),
         (dynamic is True, "compile.dynamic", dynamic, "false or null (a graph has static shapes)"),
