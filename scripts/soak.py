@@ -174,7 +174,7 @@ def soak(a, run_dir: Path, logs: Path) -> dict:
             pid, restart = workers.get(a.kill_rank, (None, None))
             if pid is not None and restart == 0:
                 os.kill(pid, signal.SIGKILL)
-                kill = {"t": t, "rank": a.kill_rank, "last_step": last}
+                kill = {"t": t, "at": time.time(), "rank": a.kill_rank, "last_step": last}
         if stop is None and t >= total:
             for pid, _ in _workers(proc.pid).values():
                 os.kill(pid, signal.SIGTERM)  # as a scheduler stops a job: each rank finishes its step and saves
@@ -250,9 +250,23 @@ def analyse(a, run: dict) -> dict:
         back = resumed[0]["step"]
         after = [r["t"] for r in run["rows"] if r["step"] > back and r["t"] is not None and r["t"] > kill_t]
         restart = {**run["kill"], "resumed_from_step": back, "steps_run_again": run["kill"]["last_step"] - back,
-                   "first_row_after_s": (min(after) - kill_t) if after else None}  # fmt: skip
+                   "first_row_after_s": (min(after) - kill_t) if after else None,
+                   "phases_s": restart_phases(run["kill"], run["rows"], back)}  # fmt: skip
     return {"checks": checks, "restart": restart, "steps": steps[-1] if steps else 0,
             "ok": all(c["ok"] is not False for c in checks.values())}  # fmt: skip
+
+
+def restart_phases(kill: dict, rows: list[dict], back: int) -> dict | None:
+    """Where the time from the kill to the restart's first step went: ``launcher`` (torchrun noticing the lost rank,
+    stopping the others, its rendezvous and the new processes: the kill to the new rank 0's creation), then the new
+    process's phases (``startup_s`` of its first row: trainer/startup.py) and ``first_step`` (the compile and the
+    step); None when the row does not say."""
+    first = next((r for r in rows if r["step"] == back + 1 and r.get("startup_s")), None)
+    if first is None or first.get("process_started_at") is None or kill.get("at") is None:
+        return None
+    phases = {"launcher": first["process_started_at"] - kill["at"], **first["startup_s"],
+              "first_step": first["first_step_s"]}  # fmt: skip
+    return {**{k: round(v, 2) for k, v in phases.items()}, "total": round(sum(phases.values()), 2)}
 
 
 def plot(a, run: dict, result: dict, path: Path) -> None:
@@ -339,6 +353,10 @@ def table(result: dict) -> str:
         again = "-" if r["first_row_after_s"] is None else f"{r['first_row_after_s']:.1f}"
         lines.append(f"restart: rank {r['rank']} killed at {r['t']:.0f} s (step {r['last_step']}), resumed from step "
                      f"{r['resumed_from_step']}, its first row {again} s after the kill")  # fmt: skip
+        if r.get("phases_s"):
+            lines.append(
+                "restart, kill to first step (s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
+            )
     return "\n".join(lines)
 
 

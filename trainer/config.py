@@ -58,15 +58,16 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def iter_fields(cls=Config, prefix: str = ""):
-    """Yield ``(dotted_key, dataclass_field, doc, is_section)`` for the whole schema, depth first."""
-    docs = _field_docs(cls)
+def iter_fields(cls=Config, prefix: str = "", docs: bool = True):
+    """Yield ``(dotted_key, dataclass_field, doc, is_section)`` for the whole schema, depth first. ``docs=False``
+    leaves each doc empty (reading them parses the schema's source: a large part of a run's config load)."""
+    found = _field_docs(cls) if docs else {}
     for f in dataclasses.fields(cls):
         key = prefix + f.name
         sub = _section_type(f)
-        yield key, f, docs.get(f.name, ""), sub is not None
+        yield key, f, found.get(f.name, ""), sub is not None
         if sub is not None:
-            yield from iter_fields(sub, key + ".")
+            yield from iter_fields(sub, key + ".", docs)
 
 
 def _section_type(f):
@@ -78,7 +79,7 @@ def field_help() -> dict[str, str]:
     return {key: doc for key, _, doc, _ in iter_fields()}
 
 
-_ALL = {key: (f, is_section) for key, f, _, is_section in iter_fields()}
+_ALL = {key: (f, is_section) for key, f, _, is_section in iter_fields(docs=False)}
 # Fields whose value is a free-form mapping: anything below them is allowed.
 _OPEN = {key for key, (f, _) in _ALL.items() if "dict" in str(f.type)}
 
@@ -347,7 +348,7 @@ def _with_origin(msg: str, origin: dict[str, str], path) -> str:
 
 def validate(cfg: Config, origin: dict[str, str] | None = None, path=None) -> None:
     """Check every field's declared choices and bounds."""
-    for key, f, _, is_section in iter_fields():
+    for key, f, _, is_section in iter_fields(docs=False):
         if is_section or not f.metadata:
             continue
         value = get(cfg, key)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainer import console
+from trainer import console, startup
 from trainer.checkpoint import rundir
 from trainer.checkpoint.background import BackgroundSave, ShardWriter, Stager
 from trainer.checkpoint.integrity import META, CheckpointError, resolve
@@ -381,7 +381,9 @@ class Checkpointer:
         """Start the run as ``start`` says: restore its checkpoint, or none; say how it started in one line (a
         resume, or a fresh start under ``resume=auto`` or a torchrun restart) and record it in ``starts.jsonl``
         (rank 0). Returns the ``train`` state (:class:`trainer.checkpoint.states.TrainState`): the run's position."""
+        startup.mark("build")
         step = self.restore(start.resume, start.headline()) if start.resume else 0
+        startup.mark("checkpoint_read")
         if self.env.is_main:
             if start.resume is None and (line := start.fresh_line(self.root.parent)):
                 console.info(line)

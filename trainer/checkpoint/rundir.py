@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from trainer import console
+from trainer import console, startup
 from trainer.checkpoint import integrity
 from trainer.distributed.env import DistEnv, every_rank, restart_warning
 from trainer.io import pid_alive
@@ -182,6 +182,7 @@ def claim(
         if refused:
             checkpoint, message = refused
             raise (integrity.CheckpointError if checkpoint else RunDirError)(message, all_ranks=True)
+    startup.mark("run_dir")
     try:
         yield start
     finally:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from trainer import console
+from trainer import console, startup
 from trainer.errors import TrainingError
 from trainer.io import pid_alive
 
@@ -114,6 +114,7 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float | None =
     ``accelerate launch`` sets the same variables, so it works unchanged. ``timeout_s``: how long a collective
     waits for the other ranks before it fails (``distributed.timeout_s``; None: torch's default, 10 minutes).
     """
+    startup.mark(startup.FIRST)  # the process's start so far: the interpreter, the imports, the config
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -121,6 +122,7 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float | None =
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world == 1:
+        startup.mark("device_and_group")
         return DistEnv(rank=0, local_rank=0, world_size=1, device=dev, backend=None)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -135,6 +137,7 @@ def setup(device: str = "auto", backend: str = "auto", timeout_s: float | None =
     _GLOO_USED = _GLOO_USED or backend == "gloo"
     env = DistEnv(rank=rank, local_rank=local_rank, world_size=world, device=dev, backend=backend)
     env.peers = [tuple(p) for p in every_rank((socket.gethostname(), os.getpid()), env)]
+    startup.mark("device_and_group")
     return env
 
 
