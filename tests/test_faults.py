@@ -328,3 +328,16 @@ def test_a_spike_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     assert r.stderr.count("step 15: loss spike: ") == 1, r.stderr[-3000:]  # said by rank 0
     last = [row for row in _rows(tmp_path) if "loss" in row][-1]
     assert last["step"] == 20 and last["skipped_steps"] == 1
+
+
+def test_a_rank_waiting_on_a_lost_rank_exits_at_torchruns_sigterm(tmp_path):
+    """Rank 1 is SIGKILLed at step 10 while rank 0 waits for good in its main thread (as a rank waiting on the device
+    for a collective with the lost rank does: the Python handler never runs). torchrun sends rank 0 SIGTERM to end
+    the job; rank 0 sees that rank 1 exited, says so and exits at once, not after torchrun's 30 s shutdown timeout."""
+    args = ("train.steps=30", "checkpoint.every=5", f"run.dir={tmp_path}")
+    r, _ = _torchrun("cpu", *args, fault="kill:10@1,hang:10@0", timeout=120)
+    ended = time.time()
+    hung = [float(line.rsplit(" at ", 1)[1]) for line in r.stderr.splitlines() if line.startswith("injected hang")]
+    assert r.returncode != 0 and len(hung) == 1, r.stderr[-3000:]
+    assert "trainer: rank 0: lost rank 1 (pid " in r.stderr and "exiting now" in r.stderr, r.stderr[-3000:]
+    assert ended - hung[0] < 15, (ended - hung[0], r.stderr[-3000:])  # torchrun's timeout alone is 30 s

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
+import time
 
 _KILL_POINTS = ("checkpoint_write", "after_checkpoint", "kill")
 _FIRED: set[str] = set()
@@ -18,7 +21,8 @@ def fault_point(point: str, step: int, rank: int = 0) -> bool:
     faults are separated by commas: ``damage_checkpoint:20#0,kill:25@0#0``.
 
     Points: ``checkpoint_write`` (between two files of a checkpoint), ``after_checkpoint`` and ``kill`` (a step
-    launched) SIGKILL this process; ``sigterm`` (a step launched) sends SIGTERM to torchrun's launcher, which passes
+    launched) SIGKILL this process; ``hang`` (a step launched) waits for good in the main thread, its signal handlers
+    still running; ``sigterm`` (a step launched) sends SIGTERM to torchrun's launcher, which passes
     it to every rank, as a scheduler stopping the job does (outside torchrun, to this process); ``raise`` (a step
     launched) raises a RuntimeError; ``nan_loss`` (the step's loss, as read for the checks), ``wrong_sum`` (every
     rank's losses, as this rank received them), ``replica_drift`` (this rank's parameters, before the ddp replicas
@@ -36,6 +40,9 @@ def fault_point(point: str, step: int, rank: int = 0) -> bool:
     if point == "sigterm":
         os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGTERM)
         return False
+    if point == "hang":  # the main thread waits for good, as one waiting on the device for a lost rank does
+        print(f"injected hang on rank {rank} at step {step} at {time.time():.3f}", file=sys.stderr, flush=True)
+        threading.Event().wait()
     if point == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (TRAINER_FAULT={spec})")
     return True

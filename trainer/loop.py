@@ -51,7 +51,7 @@ class Trainer:
         claim = rundir.claim(Path(run.dir), resume=self.resume, overwrite=run.overwrite, env=env)
         lost = dist_env.lost_rank_stops(env, dist.timeout_s, TrainingError)
         try:
-            with claim as start, dist_env.StopSignals() as signals, lost:
+            with claim as start, dist_env.StopSignals(env) as signals, lost:
                 for rollbacks in itertools.count():  # train.on_spike=rollback: again from the last checkpoint
                     try:
                         return self._fit(env, signals, start)
@@ -120,7 +120,7 @@ class Trainer:
                             record["val_loss"] = train_step.evaluate(batches.val_batch, cfg.train.eval_batches)
                     log.write(record)  # before the checkpoint: a crash after it loses no row
                 if due.save:  # the seconds the steps waited (async_save: for the copy) go in the next row
-                    log.held(ckpts.save(step, wait=bool(due.stop)))  # a stop's save is written before it says so
+                    log.held(*ckpts.save(step, wait=bool(due.stop)))  # a stop's save is written before it says so
                 if due.evaluate or due.save:
                     log.timer.restart()  # evaluation and saving are not training time
                 if due.stop:

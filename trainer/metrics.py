@@ -345,6 +345,7 @@ class StepLog:
         self.pending: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}  # the newest record written
         self.checkpoint_s = 0.0  # the seconds the steps waited for checkpoints since the last record
+        self.checkpoint_wait_s = 0.0  # of which for a background write still in flight at the next save
         self.skipped = 0  # steps whose update was skipped, in this start
         startup.mark("wrap")
 
@@ -356,6 +357,7 @@ class StepLog:
         fault_point("kill", step, rank)  # tests: this rank is lost here
         fault_point("sigterm", step, rank)  # tests: the job is stopped here (preempted)
         fault_point("raise", step, rank)  # tests: this rank fails here
+        fault_point("hang", step, rank)  # tests: this rank waits here for good
         if fault_point("nan_loss", step, rank):  # tests: this rank's loss is not finite
             loss = loss * float("nan")
         losses = per_rank(loss, self.env) if self.env.distributed else loss  # (world,): every rank's
@@ -416,10 +418,12 @@ class StepLog:
             record["host_rss_gb"] = rss / 1e9
         return record
 
-    def held(self, seconds: float) -> None:
-        """The steps waited ``seconds`` for a checkpoint (not training time: the timer restarts): the next record's
-        ``checkpoint_s`` adds them up."""
+    def held(self, seconds: float, previous: float = 0.0) -> None:
+        """The steps waited ``seconds`` for a checkpoint (not training time: the timer restarts), ``previous`` of them
+        for the background write before it: the next record's ``checkpoint_s`` and ``checkpoint_wait_s`` add them
+        up."""
         self.checkpoint_s += seconds
+        self.checkpoint_wait_s += previous
         self.timer.restart()
 
     def write(self, record: dict[str, Any] | None) -> None:
@@ -428,6 +432,7 @@ class StepLog:
         if record is not None:
             if self.checkpoint_s:
                 record["checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
+                record["checkpoint_wait_s"], self.checkpoint_wait_s = self.checkpoint_wait_s, 0.0
             self.metrics.log(record, compiled=self.compiled)
             self.last.update(record)
 

@@ -112,7 +112,7 @@ def _load_file(path: Path, device: torch.device) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file missing: {path}")
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location=device, weights_only=True, mmap=True)  # no read into fresh memory first
     except Exception as e:  # noqa: BLE001 - every failure to read is the same user error: a bad file
         raise CheckpointError(f"cannot load checkpoint file {path}: {_load_failure(e)}") from None
 
@@ -306,12 +306,13 @@ class Checkpointer:
         self.last: Path | None = None  # the newest checkpoint this process wrote
         self.resumed: Path | None = None  # the checkpoint this run resumed from
 
-    def save(self, step: int, wait: bool = False) -> float:
+    def save(self, step: int, wait: bool = False) -> tuple[float, float]:
         """Write the checkpoint of ``step`` (every rank calls this) and move ``last`` to it; in the background
         (``background``), the previous background write first waited for, and this one too with ``wait``.
-        Returns the seconds the caller waited."""
+        Returns the seconds the caller waited, and how many of them for the previous background write."""
         start = time.perf_counter()
         self.wait()
+        previous = time.perf_counter() - start
         # Every rank takes every state dict: one may be a collective (the sharded optimizer gathers its state).
         sharded = DCP_KEYS if self.storage.sharded else {}
         snapshot = {name: state.state_dict() for name, state in self.states.items() if name not in sharded}
@@ -324,7 +325,7 @@ class Checkpointer:
                 self.wait()
         else:
             self.last = save(self.root, step, functools.partial(self._write, snapshot, step), self.env, self.keep)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, previous
 
     def wait(self) -> Path | None:
         """Wait for the background write in flight, if any (every rank calls this at the same point: the next

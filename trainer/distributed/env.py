@@ -252,11 +252,20 @@ def any_rank(flag: bool, env: DistEnv) -> bool:
 
 class StopSignals:
     """SIGINT and SIGTERM ask the run to stop: it finishes the step, saves a checkpoint and exits cleanly (a second
-    SIGINT aborts at once). A context manager around the run; :meth:`on_any_rank` tells whether any rank got one."""
+    SIGINT aborts at once). A context manager around the run; :meth:`on_any_rank` tells whether any rank got one.
 
-    def __init__(self):
+    Under torchrun (``env``, distributed) a SIGTERM that comes after a rank on this host exited is torchrun ending the
+    job's ranks to restart it, not a request to save: no checkpoint can be written without the lost rank, and a rank
+    waiting on the device for a collective with it never returns to Python to see the signal, so torchrun would kill
+    it only after its 30 s shutdown timeout, all of it added to the restart. A thread woken by the signal itself
+    (``signal.set_wakeup_fd``: written by the C-level handler, also while the main thread waits in CUDA or NCCL)
+    then says which rank was lost and ends this process at once (:data:`LOST_PEER_EXIT`)."""
+
+    def __init__(self, env: DistEnv | None = None):
         self.requested = False
+        self.env = env
         self._old: dict = {}
+        self._wakeup: tuple | None = None  # (read socket, write socket, the wakeup fd before)
 
     def _handler(self, signum, frame) -> None:
         if self.requested and signum == signal.SIGINT:
@@ -272,15 +281,57 @@ class StopSignals:
             self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
         except ValueError:  # not the main thread: leave signals alone
             self._old = {}
+        if self._old and self.env is not None and self.env.distributed:
+            read, write = socket.socketpair()
+            write.setblocking(False)
+            self._wakeup = (read, write, signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(read,), daemon=True, name="trainer-lost-peer").start()
         return self
 
     def __exit__(self, *exc) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+        if self._wakeup is not None:
+            read, write, before = self._wakeup
+            signal.set_wakeup_fd(before)
+            read.shutdown(socket.SHUT_RDWR)  # the thread's recv returns: it ends
+            read.close()
+            write.close()
+            self._wakeup = None
+
+    def _watch(self, read: socket.socket) -> None:
+        """The thread's loop: on each SIGTERM, end this process if a rank on this host has exited."""
+        env, host = self.env, socket.gethostname()
+        while data := _recv(read):
+            if signal.SIGTERM not in data:
+                continue
+            gone = [
+                (r, pid) for r, (h, pid) in enumerate(env.peers) if h == host and r != env.rank and not pid_alive(pid)
+            ]
+            if gone:
+                who = ", ".join(f"rank {r} (pid {pid} on {host})" for r, pid in gone)
+                os.write(
+                    2,
+                    f"trainer: rank {env.rank}: lost {who}: it exited, and torchrun is ending the job's ranks "
+                    "to restart it; exiting now (a checkpoint needs every rank: nothing saved)\n".encode(),
+                )
+                os._exit(LOST_PEER_EXIT)
 
     def on_any_rank(self, env: DistEnv) -> bool:
         """Whether a stop was asked for on any rank (a collective under torchrun: every rank must call it)."""
         return any_rank(self.requested, env)
+
+
+LOST_PEER_EXIT = 128 + signal.SIGTERM
+"""The exit status of a rank ended by :class:`StopSignals` after a lost rank: as if SIGTERM had ended it."""
+
+
+def _recv(sock: socket.socket) -> bytes:
+    """The next bytes from ``sock``; b"" once it is shut down."""
+    try:
+        return sock.recv(64)
+    except OSError:
+        return b""
 
 
 def lost_peer(e: BaseException, env: DistEnv, timeout_s: float | None, wait_s: float = 5.0) -> tuple[str, bool] | None:
