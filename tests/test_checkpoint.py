@@ -8,12 +8,15 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import ROOT
 from trainer import build, plan
 from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, CheckpointError, integrity
 from trainer.checkpoint.checkpointer import _load_failure
@@ -269,3 +272,38 @@ def test_the_dcp_staging_api_background_saves_rely_on_is_there():
     t.add_(1.0)
     assert torch.equal(staged["a"], torch.arange(4.0))
     stager.close()
+
+
+def test_a_torch_save_write_that_comes_up_short_stops_the_run_with_why(tmp_path):
+    """A file size limit (RLIMIT_FSIZE) makes torch.save's zip writer come up short, as a full disk does: it raises
+    only "unexpected pos ...". The run stops with one line that says so and how much room the disk has, no
+    traceback, and no checkpoint left half written."""
+    script = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))\n"
+        "from trainer.cli import main\n"
+        f"sys.exit(main(['fit', 'tiny', 'train.steps=4', 'checkpoint.every=2', 'run.dir={tmp_path}']))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "cannot save the checkpoint of step 2: torch.save's write came up short" in r.stderr, r.stderr[-3000:]
+    assert " GB free. Stopped; no checkpoint was saved before this one." in r.stderr
+    assert not list((tmp_path / "checkpoints").iterdir())  # the partial checkpoint removed; no last
+
+
+def test_a_short_write_on_a_nearly_full_disk_is_a_full_disk(tmp_path, monkeypatch):
+    import errno
+
+    from trainer.checkpoint import write
+
+    def short(directory):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3892347456 vs 3892347408")
+
+    for free, code in ((write.SHORT_WRITE_FREE - 1, errno.ENOSPC), (write.SHORT_WRITE_FREE * 10, None)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda p, free=free: shutil._ntuple_diskusage(free * 2, free, free))
+        message, got, rank = write._attempt(short, tmp_path / "x", rank=3)
+        assert got == code and rank == 3 and "came up short" in message and "unexpected pos" in message
+    with pytest.raises(RuntimeError, match="something else"):
+        write._attempt(lambda d: (_ for _ in ()).throw(RuntimeError("something else")), tmp_path, rank=0)

@@ -384,6 +384,8 @@ class Checkpointer:
         (rank 0). Returns the ``train`` state (:class:`trainer.checkpoint.states.TrainState`): the run's position."""
         startup.mark("build")
         step = self.restore(start.resume, start.headline()) if start.resume else 0
+        if start.resume and self.env.device.type == "cuda":
+            torch.cuda.empty_cache()  # the loaded copies' blocks: the training's reserved memory as a fresh start's
         startup.mark("checkpoint_read")
         if self.env.is_main:
             if start.resume is None and (line := start.fresh_line(self.root.parent)):

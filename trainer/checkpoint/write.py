@@ -108,16 +108,41 @@ def _after_publish(final: Path, step: int, keep: int, rank: int) -> None:
 
 
 def _attempt(fn: Callable, *args, rank: int) -> tuple[str, int | None, int] | None:
-    """Run ``fn(*args)``; a failure to write (OSError, DCP's CheckpointException) as ``(message, errno, rank)``,
-    else None."""
+    """Run ``fn(*args)`` (``args[0]``: the directory written); a failure to write (OSError, DCP's
+    CheckpointException, torch.save's writer coming up short) as ``(message, errno, rank)``, else None."""
     try:
         fn(*args)
     except OSError as e:
         return str(e), e.errno, rank
+    except RuntimeError as e:
+        if "inline_container" not in str(e):  # not torch.save's zip writer
+            raise
+        # Its write came up short (a full disk, a quota) and it says only "unexpected pos ..." or "file write
+        # failed": how full the disk is tells which.
+        free = _free_bytes(Path(args[0]))
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        full = free is not None and free < SHORT_WRITE_FREE
+        room = "" if free is None else f"; the disk holding {args[0]} has {free / 1e9:.2f} GB free"
+        why = f"torch.save's write came up short, as on a full disk, a quota or a file size limit ({first}){room}"
+        return why, errno.ENOSPC if full else None, rank
     except BaseException as e:
         if type(e).__name__ != "CheckpointException":  # DCP's: every rank's failures, gathered
             raise
         return str(e), None, rank
+    return None
+
+
+SHORT_WRITE_FREE = 2**30
+"""A write that came up short with less than this free on its disk is taken as a full disk."""
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the disk holding ``path`` (or its nearest existing parent); None if unknown."""
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
     return None
 
 
