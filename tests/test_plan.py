@@ -129,7 +129,7 @@ def test_placed_plan_holds_the_bucket_plan_or_the_fsdp_units(strategy):
     placed = the_plan.placed(build.build_model_of(the_plan.cfg, 256, pretrained=False))
     units = placed.as_dict()["units"]
     if strategy == "none":
-        assert placed is the_plan and units == [] and placed.layout is None
+        assert placed.units == the_plan.units == () and units == [] and placed.layout is None
         return
     names = [name for unit in units for name in unit]
     assert {f"transformer.h.{i}" for i in range(4)} <= set(names) and len(names) == len(set(names))
@@ -241,3 +241,31 @@ def test_without_the_key_a_resume_on_another_world_warns():
     )
     assert plan.global_batch(_train("train.micro_batch_size=8", "train.grad_accum=2"), 1, saved).warning is None
     assert plan.global_batch(_train("train.micro_batch_size=4"), 2, saved).warning is None  # the same world
+
+
+def test_background_checkpoints_are_on_for_cuda_where_the_host_holds_the_copy_twice():
+    from trainer.plan import background_checkpoints
+
+    gb = 10**9
+    assert background_checkpoints("cuda", 12 * gb, 1, 100 * gb)[0] is True
+    assert background_checkpoints("cuda", 12 * gb, 4, 100 * gb)[0] is True  # 48 GB, twice over in 100
+    off, why = background_checkpoints("cuda", 12 * gb, 8, 100 * gb)  # 96 GB: not twice over
+    assert off is False and "12.0 GB x 8 local ranks in host memory; 100 GB available" in why
+    assert background_checkpoints("cuda", gb, 1, None) == (False, "off (the host's available memory is unknown; "
+                                                                  "the copy needs 1.0 GB)")  # fmt: skip
+    assert background_checkpoints("cpu", gb, 1, 100 * gb)[0] is False
+
+
+def test_async_save_auto_is_resolved_on_the_model_and_recorded(tmp_path):
+    """checkpoint.async_save=auto is resolved once the model exists (its state's size): off on a CPU, with the
+    reason in plan.json's choices; true and false are taken as given."""
+    from trainer.build import make_model
+
+    for asked, want in (("auto", False), ("true", True), ("false", False)):
+        cfg = load_config(ROOT / "configs/tiny.yaml", [*FAST, f"checkpoint.async_save={asked}"])
+        p = plan.resolve(cfg, _env())
+        placed = p.placed(make_model(p, 256))
+        assert placed.async_save is want and placed.as_dict()["checkpoint.async_save"] is want
+        said = [c for c in placed.choices if c.startswith("checkpoint.async_save=auto: ")]
+        assert said == (["checkpoint.async_save=auto: off (on a CPU the copy and the write share the cores that "
+                         "train)"] if asked == "auto" else [])  # fmt: skip

@@ -86,7 +86,7 @@ class Trainer:
         states = run_states(raw_model, opt, sched, scaler, batches, lr=cfg.optim.lr, device=env.device)
         storage, sides = DCP if resolved.strategy.fsdp else TORCH_SAVE, [CompileCache()] if compiling else []
         ckpts = Checkpointer(states, storage, run_dir, env, config=record, keep=cfg.checkpoint.keep, beside=sides,
-                             background=cfg.checkpoint.async_save)  # fmt: skip
+                             background=resolved.async_save)  # fmt: skip
         progress = ckpts.begin(start)  # the step and tokens seen: resumed (resume=auto: if there is a checkpoint), or 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
