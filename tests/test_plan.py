@@ -254,6 +254,7 @@ def test_background_checkpoints_are_on_for_cuda_where_the_host_holds_the_copy_tw
     assert background_checkpoints("cuda", gb, 1, None) == (False, "off (the host's available memory is unknown; "
                                                                   "the copy needs 1.0 GB)")  # fmt: skip
     assert background_checkpoints("cpu", gb, 1, 100 * gb)[0] is False
+    assert background_checkpoints("cuda", gb, 1, 100 * gb, sharded=True)[0] is False
 
 
 def test_async_save_auto_is_resolved_on_the_model_and_recorded(tmp_path):

@@ -241,7 +241,8 @@ class Plan:
             shards = self.strategy.world if self.strategy.fsdp else 1
             state = sum(p.numel() * (p.element_size() + 8) for p in model.parameters()) // shards  # + AdamW's two
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            on, why = background_checkpoints(self.device.type, state, local, available_host_memory())
+            on, why = background_checkpoints(self.device.type, state, local, available_host_memory(),
+                                             sharded=self.strategy.fsdp)  # fmt: skip
             plan = dataclasses.replace(
                 self, async_save=on, choices=(*self.choices, f"checkpoint.async_save=auto: {why}")
             )
@@ -602,14 +603,19 @@ def _device_facts(device: torch.device) -> dict:
     return {"device_memory": props.total_memory, "capability": (props.major, props.minor)}
 
 
-def background_checkpoints(device: str, state_bytes: int, local_ranks: int, available: int | None) -> tuple[bool, str]:
+def background_checkpoints(
+    device: str, state_bytes: int, local_ranks: int, available: int | None, sharded: bool = False
+) -> tuple[bool, str]:
     """``checkpoint.async_save=auto``: whether to write checkpoints in the background, and why. On CUDA the save
     then holds the step only for the copy to pinned host memory (0.25 s against 28.8 s for the Llama-3.2-1B shape on
     an H200: docs/performance.md); the copy stays in host memory, so it is on when the host's available memory
     (``available`` bytes, None: unknown) holds every local rank's copy (``state_bytes`` each) twice over. Off on a
-    CPU, where the copy and the write share the cores that train."""
+    CPU, where the copy and the write share the cores that train, and under fsdp (``sharded``: DCP's stager and
+    background ``dcp.save``), which ``true`` turns on."""
     if device != "cuda":
         return False, "off (on a CPU the copy and the write share the cores that train)"
+    if sharded:
+        return False, "off under fsdp (true writes DCP's shards in the background)"
     need = state_bytes * local_ranks
     ranks = f" x {local_ranks} local ranks" if local_ranks > 1 else ""
     if available is None:

@@ -343,8 +343,8 @@ class CheckpointConfig:
     """Write checkpoints in the background: the step waits only for the states' copy to host memory (pinned on
     CUDA; under fsdp DCP's stager), a thread on each rank writes the files, and last moves once every rank's are
     written; at most one write in flight (the next save, the run's end and a stop wait for it). auto = on for CUDA
-    when the host's available memory holds every local rank's copy twice over, off on a CPU (plan.json says
-    why)."""
+    when the host's available memory holds every local rank's copy twice over, off on a CPU and under fsdp (plan.json
+    says why)."""
 
 
 @dataclass(kw_only=True)
