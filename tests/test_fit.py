@@ -359,3 +359,36 @@ def test_a_spike_stops_the_run_by_default_and_past_max_rollbacks(tmp_path, capsy
     r = _spiked(capsys, tmp_path / "most", monkeypatch, "train.on_spike=rollback", "train.max_rollbacks=0")
     assert r.returncode == 1 and "train.max_rollbacks=0 rollbacks made already" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bf16_master_weights_train_and_resume_bit_for_bit(tmp_path, capsys):
+    """optim.master_weights=bf16: the parameters and AdamW's states are bf16 in the checkpoint, and a run stopped at
+    step 3 and resumed ends as the run that was not stopped, bit for bit (the stochastic rounding's random bits are
+    a function of the step)."""
+    common = ["optim.master_weights=bf16", "train.precision=bf16", "train.steps=6", "checkpoint.every=3",
+              "log.every=1", "train.eval_every=0", "schedule.warmup_steps=0", "optim.lr=3e-3"]  # fmt: skip
+    assert _fit(capsys, tmp_path / "whole", *common).returncode == 0
+    r = _fit(capsys, tmp_path / "cut", *common, "train.stop_at=3")
+    assert r.returncode == 0, r.stderr
+    r = _fit(capsys, tmp_path / "cut", *common, "resume=last")
+    assert r.returncode == 0 and "triton adamw" in r.stdout + r.stderr, r.stderr
+    a, b = ({x["step"]: x["loss"] for x in _metrics(tmp_path / d) if "loss" in x} for d in ("whole", "cut"))
+    assert sorted(a) == sorted(b) == list(range(1, 7)) and a == b, (a, b)
+    model = torch.load(tmp_path / "whole/checkpoints/step_000006/model.pt", weights_only=True)
+    optim = torch.load(tmp_path / "whole/checkpoints/step_000006/optim.pt", weights_only=True)
+    states = [t for s in optim["optimizer"]["state"].values() for k, t in s.items() if k != "step"]
+    assert {t.dtype for t in model.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert states and {t.dtype for t in states} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("optim.impl=fused", "optim.master_weights=bf16: needs optim.impl auto or triton"),
+        ("optim.name=sgd", "optim.master_weights=bf16: needs optim.name adamw or adam"),
+        ("train.precision=fp32", "optim.master_weights=bf16: needs train.precision bf16"),
+    ],
+)
+def test_bf16_master_weights_refuse_what_cannot_round_them(tmp_path, capsys, override, said):
+    r = _fit(capsys, tmp_path, "optim.master_weights=bf16", override)
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -367,9 +367,10 @@ for dt, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
     tl_dtype = grad_table._TL_DTYPES[torch_dtype]
     common = {"ALIGNED": True, "BLOCK_SIZE": grad_table.BLOCK_SIZE, "PARAM_DTYPE": tl_dtype, "GRAD_DTYPE": tl_dtype}
     sig = {"ParamPtrs_ptr": "*i64", "ExpAvgPtrs_ptr": "*i64", "ExpAvgSqPtrs_ptr": "*i64", **table}
-    flags = {"DECOUPLED": True, "HAS_CLIP": True, **common}
-    out["adamw_in_place_" + dt] = vector_accesses(grad_table._adamw_in_place_kernel,
-                                                  {**sig, **{k: "constexpr" for k in flags}}, flags)
+    for stochastic in (False, True) if dt == "bf16" else (False,):  # bf16 master weights: bf16 states, rounded
+        flags = {"DECOUPLED": True, "HAS_CLIP": True, "STOCHASTIC": stochastic, **common}
+        out["adamw_in_place_" + ("stochastic_" if stochastic else "") + dt] = vector_accesses(
+            grad_table._adamw_in_place_kernel, {**sig, **{k: "constexpr" for k in flags}}, flags)
     for in_place in (True, False):
         sig = {"Param_ptr": "*" + dt, "ParamPtrs_ptr": "*i64", "MomentumBuffer_ptr": "*fp32",
                "MomentumBufferPtrs_ptr": "*i64", **table}
@@ -394,6 +395,8 @@ def test_table_kernels_lower_to_16_byte_accesses_on_h100():
         for dt in ("fp32", "bf16"):
             loads, stores = out[f"{name}_{dt}"]
             assert loads >= n_in and stores >= n_out, (name, dt, loads, stores)
+    loads, stores = out["adamw_in_place_stochastic_bf16"]
+    assert loads >= 4 and stores >= 3, (loads, stores)
 
 
 @pytest.mark.multi_gpu

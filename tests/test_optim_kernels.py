@@ -431,8 +431,14 @@ try:
     for dt in ("fp32", "bf16"):
         out["adamw_" + dt] = vector_accesses(adamw._adamw_kernel, {"Param_ptr": "*" + dt, "Grad_ptr": "*" + dt,
             "ExpAvg_ptr": "*fp32", "ExpAvgSq_ptr": "*fp32", "Coefs_ptr": "*fp32", "n_elements": "i32",
-            "DECOUPLED": "constexpr", "HAS_CLIP": "constexpr", "BLOCK_SIZE": "constexpr"},
-            {"DECOUPLED": True, "HAS_CLIP": True, "BLOCK_SIZE": adamw.BLOCK_SIZE})
+            "DECOUPLED": "constexpr", "HAS_CLIP": "constexpr", "BLOCK_SIZE": "constexpr", "STOCHASTIC": "constexpr"},
+            {"DECOUPLED": True, "HAS_CLIP": True, "BLOCK_SIZE": adamw.BLOCK_SIZE, "STOCHASTIC": False})
+    # bf16 master weights: bf16 parameters and states, stored with stochastic rounding.
+    out["adamw_stochastic_bf16"] = vector_accesses(adamw._adamw_kernel, {"Param_ptr": "*bf16", "Grad_ptr": "*bf16",
+        "ExpAvg_ptr": "*bf16", "ExpAvgSq_ptr": "*bf16", "Coefs_ptr": "*fp32", "n_elements": "i32",
+        "DECOUPLED": "constexpr", "HAS_CLIP": "constexpr", "BLOCK_SIZE": "constexpr", "STOCHASTIC": "constexpr"},
+        {"DECOUPLED": True, "HAS_CLIP": True, "BLOCK_SIZE": adamw.BLOCK_SIZE, "STOCHASTIC": True})
+    for dt in ("fp32", "bf16"):
         out["sgd_" + dt] = vector_accesses(sgd._sgd_kernel, {"Param_ptr": "*" + dt, "Grad_ptr": "*" + dt,
             "MomentumBuffer_ptr": "*fp32", "Coefs_ptr": "*fp32", "n_elements": "i32", "HAS_MOMENTUM": "constexpr",
             "NESTEROV": "constexpr", "HAS_CLIP": "constexpr", "BLOCK_SIZE": "constexpr"},
@@ -445,9 +451,10 @@ try:
         tl_dtype = grad_table._TL_DTYPES[{"fp32": torch.float32, "bf16": torch.bfloat16}[dt]]
         out["adamw_table_" + dt] = vector_accesses(grad_table._adamw_blocks_kernel, {"Param_ptr": "*fp32",
             "ExpAvg_ptr": "*fp32", "ExpAvgSq_ptr": "*fp32", **table, "Coefs_ptr": "*fp32", "DECOUPLED": "constexpr",
-            "HAS_CLIP": "constexpr", "GRAD_DTYPE": "constexpr", "ALIGNED": "constexpr", "BLOCK_SIZE": "constexpr"},
+            "HAS_CLIP": "constexpr", "GRAD_DTYPE": "constexpr", "ALIGNED": "constexpr", "BLOCK_SIZE": "constexpr",
+            "STOCHASTIC": "constexpr"},
             {"DECOUPLED": True, "HAS_CLIP": True, "GRAD_DTYPE": tl_dtype, "ALIGNED": True,
-             "BLOCK_SIZE": grad_table.BLOCK_SIZE})
+             "BLOCK_SIZE": grad_table.BLOCK_SIZE, "STOCHASTIC": False})
         out["sumsq_table_" + dt] = vector_accesses(grad_table._sumsq_blocks_kernel, {**table, "Partials_ptr": "*fp32",
             "GRAD_DTYPE": "constexpr", "ALIGNED": "constexpr", "BLOCK_SIZE": "constexpr"},
             {"GRAD_DTYPE": tl_dtype, "ALIGNED": True, "BLOCK_SIZE": grad_table.BLOCK_SIZE})
@@ -481,6 +488,8 @@ def test_kernels_lower_to_16_byte_accesses_on_h100(no_interpreter_run):
         for dt in ("fp32", "bf16"):
             loads, stores = no_interpreter_run[f"{name}_{dt}"]
             assert loads >= n_in and stores >= n_out, (name, dt, loads, stores)
+    loads, stores = no_interpreter_run["adamw_stochastic_bf16"]  # bf16 master weights: the same four in, three out
+    assert loads >= 4 and stores >= 3, (loads, stores)
 
 
 @pytest.mark.gpu
@@ -499,3 +508,44 @@ def test_triton_adamw_matches_fused_on_gpu(dtype):
     tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-5, atol=4e-3)}[dtype]
     for p, q in zip(ps, qs):
         torch.testing.assert_close(p, q, **tol)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_stochastic_rounding_keeps_updates_smaller_than_a_bf16_step(sign):
+    """bf16 master weights: 20 AdamW steps of a tenth of a bf16 ulp each on parameters at 1.0. Rounded to nearest,
+    every update is lost (1.0 - lr is 1.0 in bf16); stored with stochastic rounding the mean over 4096 parameters
+    is where fp32 arithmetic would be, within a quarter of the smaller ulp below 1.0, and the states stay bf16."""
+    n, lr, steps = 4096, 0.1 * 2**-7, 20  # 2**-7: bf16's ulp at 1.0
+    assert torch.tensor(1.0 - lr).to(torch.bfloat16).item() == 1.0  # round to nearest loses each update
+    p = torch.ones(n, dtype=torch.bfloat16, device=DEVICE)
+    g = torch.full((n,), sign, dtype=torch.bfloat16, device=DEVICE)
+    m, v = (torch.zeros(n, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    step = torch.zeros(1, device=DEVICE)
+    hparams = torch.tensor([lr, 0.9, 0.999, 1e-8, 0.0, 0.0], dtype=torch.float64, device=DEVICE)
+    for _ in range(steps):
+        adamw_step(p, g, m, v, step, hparams, None, True, True)
+    # Adam's update with a constant gradient is lr * sign at every step (the bias corrections cancel).
+    want = 1.0 - sign * steps * lr
+    assert abs(p.float().mean().item() - want) < 0.25 * 2**-8, (p.float().mean().item(), want)
+    assert len(set(p.tolist())) > 1  # rounded up and down: not one value
+    assert m.dtype == v.dtype == torch.bfloat16
+    again = torch.ones(n, dtype=torch.bfloat16, device=DEVICE)  # the same step rounds the same way again
+    m2, v2, step2 = torch.zeros_like(m), torch.zeros_like(v), torch.zeros(1, device=DEVICE)
+    for _ in range(steps):
+        adamw_step(again, g, m2, v2, step2, hparams, None, True, True)
+    assert torch.equal(again, p) and torch.equal(m2, m) and torch.equal(v2, v)
+
+
+def test_stochastic_rounding_is_for_bf16_parameters_and_states():
+    p = torch.ones(8, device=DEVICE)
+    states = [torch.zeros(8, device=DEVICE) for _ in range(2)]
+    step, hparams = torch.zeros(1, device=DEVICE), torch.zeros(6, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match="stochastic rounding stores bf16 parameters"):
+        adamw_step(p, p.clone(), *states, step, hparams, None, True, True)
+    opt = TritonAdamW(
+        [torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16, device=DEVICE))], stochastic_rounding=True
+    )
+    opt.param_groups[0]["params"][0].grad = torch.ones(8, dtype=torch.bfloat16, device=DEVICE)
+    opt.step()
+    state = opt.state_dict()["state"][0]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16

@@ -63,7 +63,7 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
             return build(False)
 
     def ready(model: nn.Module) -> nn.Module:  # something to train, checked against the data, then fp8's layers
-        return _maybe_fp8(check_fits_data(check_trainable(model, cfg), cfg, vocab_size), plan)
+        return master_weights(_maybe_fp8(check_fits_data(check_trainable(model, cfg), cfg, vocab_size), plan), cfg)
 
     if not fsdp:
         return ready(whole()).to(device)
@@ -105,6 +105,16 @@ def build_model_of(cfg: Config, vocab_size: int, pretrained: bool, attention: st
         hf_overrides=dict(m.hf_overrides),
         pretrained=pretrained,
     )
+
+
+def master_weights(model: nn.Module, cfg: Config) -> nn.Module:
+    """``model`` with its floating-point parameters in ``optim.master_weights``'s dtype: bf16 casts them once
+    (buffers, such as rotary tables, are kept); fp32 leaves them as built."""
+    if cfg.optim.master_weights == "bf16":
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 def fp8_all_gather(plan: plan_rules.Plan) -> bool:
@@ -379,6 +389,7 @@ def make_optimizer(model: nn.Module, plan: plan_rules.Plan) -> torch.optim.Optim
         sharded=is_sharded(model),
         scaled=plan.autocast == torch.float16,
         buckets=plan.layout_of(model) if plan.strategy.zero else None,
+        stochastic_rounding=o.master_weights == "bf16",
     )
     if fp8_all_gather(plan):  # the float8 weights' scales for the next all-gather, after each update
         from trainer.precision import fp8

@@ -56,6 +56,8 @@ def describe_run(
     cost = cpu_cost(cfg, model) if device.type == "cpu" else None
     fp8 = f"fp8 ({cfg.train.fp8_recipe}) + " if plan.precision == "fp8" else ""
     precision = fp8 + precision_name(plan.autocast)
+    if plan.cfg.optim.master_weights == "bf16":
+        precision += ", bf16 master weights (stochastic rounding)"
     t, dp = cfg.train, strategy.dp_ranks
     batch = f"global batch {plan.global_batch} = {t.micro_batch_size} x {t.grad_accum} accumulated x {dp} rank"
     batch += "s" if dp > 1 else ""

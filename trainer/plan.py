@@ -362,6 +362,8 @@ def optim_impl(cfg: Config, device: torch.device, strategy: Strategy, precision_
     if strategy.zero:
         impl = o.impl if o.impl != "auto" else "fused" if device.type == "cuda" else "foreach"
         return impl, "the sharded optimizer's update of each shard"
+    if o.master_weights == "bf16":  # the stochastic rounding is the Triton kernel's
+        return "triton", "optim.master_weights=bf16: trainer's Triton AdamW rounds bf16 stochastically"
     impl = resolve_impl(o.impl, device, name=o.name, sharded=strategy.fsdp, scaled=precision_ == "fp16")
     if device.type != "cuda":
         why = f"torch's foreach on {device.type}"
@@ -538,6 +540,11 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
     if batch.choice is not None:  # derived: the config carries the global batch it keeps
         resolved.train.global_batch_size = batch.sequences
     prec = precision(t.precision, device)
+    if cfg.optim.master_weights == "bf16" and prec != "bf16":
+        raise ConfigError(
+            f"optim.master_weights=bf16: needs train.precision=bf16 (train.precision={t.precision} is {prec} on "
+            f"{device.type}); set train.precision=bf16"
+        )
     impl, impl_why = optim_impl(cfg, device, strategy, prec)
     switches = compile_switches(cfg, device, prec, impl)
     choices = []

@@ -160,6 +160,12 @@ class OptimConfig:
     impl: str = _f("auto", choices=["auto", "eager", "foreach", "fused", "compiled", "triton"])
     """Optimizer implementation: auto picks the fastest measured: on CUDA trainer's Triton AdamW/Adam (triton) for
     adamw/adam, torch's fused for sgd, fsdp or fp16; foreach elsewhere."""
+    master_weights: str = _f("fp32", choices=["fp32", "bf16"])
+    """The parameters' and AdamW states' dtype. bf16: both kept in bf16 (half the optimizer's bytes; under fsdp no
+    copy of the parameters to bf16 for the forward), each update computed in fp32 and stored with stochastic
+    rounding by trainer's Triton AdamW, so that updates smaller than a bf16 step still count, on average. Needs
+    optim.name adamw or adam, optim.impl auto or triton, train.precision bf16 (auto: bf16 on CUDA), and a model
+    trained from its initialization or a checkpoint (its parameters are cast once)."""
 
     def __post_init__(self):
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -424,6 +430,8 @@ class Config:
             )
         if self.distributed.shard_optimizer:
             _check_shard_optimizer(self)
+        if self.optim.master_weights == "bf16":
+            _check_bf16_master_weights(self)
         d = self.distributed
         if d.shard != -1 and d.shard < 1:
             raise ConfigError(f"distributed.shard: expected -1 (the rest) or a size >= 1, got {d.shard}")
@@ -456,6 +464,21 @@ def graphed_step_settings(cfg: Config) -> dict:
         "inductor_options": dict(c.inductor_options),
         "shard_optimizer": d.shard_optimizer,
     }
+
+
+def _check_bf16_master_weights(cfg: Config) -> None:
+    """What ``optim.master_weights=bf16`` needs (trainer's Triton AdamW and a bf16 step)."""
+    o, t, why = cfg.optim, cfg.train, None
+    if o.name not in ("adamw", "adam"):
+        why = f"needs optim.name adamw or adam (trainer's Triton AdamW rounds stochastically), got {o.name}"
+    elif o.impl not in ("auto", "triton"):
+        why = f"needs optim.impl auto or triton (trainer's Triton AdamW rounds stochastically), got {o.impl}"
+    elif t.precision not in ("auto", "bf16"):
+        why = f"needs train.precision bf16 (the forward runs in the parameters' dtype), got {t.precision}"
+    elif cfg.distributed.shard_optimizer:
+        why = "not with distributed.shard_optimizer (its inner optimizer is torch's)"
+    if why:
+        raise ConfigError(f"optim.master_weights=bf16: {why}")
 
 
 def _check_shard_optimizer(cfg: Config) -> None:

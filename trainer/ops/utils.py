@@ -45,18 +45,28 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def check_flat_args(
-    param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor], step: torch.Tensor, hparams, n_hparams: int
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[torch.Tensor],
+    step: torch.Tensor,
+    hparams,
+    n_hparams: int,
+    states_like_param: bool = False,
 ) -> None:
     """Raise ValueError unless an optimizer kernel's flat buffers agree: contiguous, one device and length, the
-    gradient in the parameters' dtype, fp32 states, a one-element fp32 step and ``n_hparams`` float64 scalars."""
+    gradient in the parameters' dtype, fp32 states (``states_like_param``: bf16 parameters and states, for
+    stochastic rounding), a one-element fp32 step and ``n_hparams`` float64 scalars."""
     for name, t in [("param", param), ("grad", grad)] + [(f"state {i}", s) for i, s in enumerate(states)]:
         if t.device != param.device or not t.is_contiguous() or t.numel() != param.numel():
             raise ValueError(
                 f"{name}: expected a contiguous tensor of {param.numel()} elements on {param.device}, "
                 f"got {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
             )
-    if grad.dtype != param.dtype or any(s.dtype != torch.float32 for s in states):
-        raise ValueError(f"grad must have the param dtype ({param.dtype}) and states must be float32")
+    state_dtype = torch.bfloat16 if states_like_param else torch.float32
+    if states_like_param and param.dtype != torch.bfloat16:
+        raise ValueError(f"stochastic rounding stores bf16 parameters, got {param.dtype}")
+    if grad.dtype != param.dtype or any(s.dtype != state_dtype for s in states):
+        raise ValueError(f"grad must have the param dtype ({param.dtype}) and states must be {state_dtype}")
     if step.dtype != torch.float32 or step.numel() != 1 or step.device != param.device:
         raise ValueError("step must be a one-element float32 tensor on the param device")
     if hparams.dtype != torch.float64 or hparams.numel() != n_hparams or hparams.device != param.device:

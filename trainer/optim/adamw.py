@@ -12,12 +12,16 @@ One step of one flat group is two launches:
    writes param, exp_avg, exp_avg_sq (28 bytes per fp32 parameter, 22 per bf16 parameter with
    bf16 gradients), the memory-bandwidth floor of AdamW.
 
-Precision: states are fp32 and all math is fp32 (bf16 parameters and gradients are widened after
-loading). bf16 parameters are stored with round-to-nearest-even and there is no fp32 master copy:
-an update smaller than half a bf16 ulp of the parameter is lost, as in torch's AdamW on bf16
-parameters. The arithmetic follows ``torch.optim.adam._single_tensor_adam`` (non-capturable)
-operation by operation, with IEEE division and square root, so fp32 results agree with torch to
-about one ulp per step.
+Precision: all math is fp32 (bf16 parameters, gradients and states are widened after loading). States are
+fp32, and bf16 parameters are stored with round-to-nearest-even and no fp32 master copy: an update smaller than
+half a bf16 ulp of the parameter is lost, as in torch's AdamW on bf16 parameters. With ``stochastic`` (bf16
+master weights, ``optim.master_weights=bf16``) the parameters and both states are bf16 and each is stored with
+stochastic rounding: the fp32 result rounds up to the next bf16 with probability equal to the fraction of a bf16
+ulp it lies above the one below, so every store is unbiased and small updates accumulate in expectation. The
+random bits come from Philox seeded by the device step counter and indexed by the element's position: the same
+step rounds the same way again (a resume is bitwise), and no state is kept. The arithmetic follows
+``torch.optim.adam._single_tensor_adam`` (non-capturable) operation by operation, with IEEE division and square
+root, so fp32 results agree with torch to about one ulp per step.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from trainer.ops.utils import check_flat_args
 BLOCK_SIZE = 2048
 NUM_WARPS = 8
 N_HPARAMS = 6  # float64: lr, beta1, beta2, eps, weight_decay, max_grad_norm
-N_COEFS = 9  # fp32: step_size, sqrt(bias_correction2), 1-beta1, beta2, 1-beta2, eps, decay, weight_decay, clip
+N_COEFS = 10  # fp32: step_size, sqrt(bias_correction2), 1-beta1, beta2, 1-beta2, eps, decay, weight_decay, clip, step
 
 
 @triton.jit
@@ -65,6 +69,7 @@ def _adamw_coefs_kernel(Step_ptr, Hparams_ptr, GradNorm_ptr, Coefs_ptr, HAS_CLIP
     tl.store(Coefs_ptr + 5, eps.to(tl.float32))
     tl.store(Coefs_ptr + 6, (1.0 - lr * weight_decay).to(tl.float32))
     tl.store(Coefs_ptr + 7, weight_decay.to(tl.float32))
+    tl.store(Coefs_ptr + 9, step.to(tl.float32))  # the stochastic rounding's seed
     if HAS_CLIP:
         # torch.nn.utils.clip_grad_norm_: clamp(max_norm / (norm + 1e-6), max=1). A NaN norm gives
         # a NaN coefficient (the comparison is false), which poisons the update as torch's does.
@@ -74,17 +79,37 @@ def _adamw_coefs_kernel(Step_ptr, Hparams_ptr, GradNorm_ptr, Coefs_ptr, HAS_CLIP
 
 
 @triton.jit
+def round_bf16_stochastic(x, bits):
+    """fp32 ``x`` to bf16, up with probability (x - the bf16 below) / ulp: ``bits``' low 16 random bits added to
+    the 16 that bf16 drops, which are then cut (the sign is apart, so negatives round in magnitude the same way)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + (bits & 0xFFFF)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low 16 bits are zero
+
+
+@triton.jit
 def adamw_update_block(
-    Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED: tl.constexpr, HAS_CLIP: tl.constexpr
+    Param_ptr,
+    ExpAvg_ptr,
+    ExpAvgSq_ptr,
+    offsets,
+    mask,
+    g,
+    Coefs_ptr,
+    DECOUPLED: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    positions,
 ):
     """One Adam(W) update of a block of the flat param and state buffers, in place, with its gradient ``g``
     (fp32) and this step's coefficients (``_adamw_coefs_kernel``). Shared by the flat kernel and the
-    address-table kernel (:mod:`trainer.optim.grad_table`)."""
+    address-table kernel (:mod:`trainer.optim.grad_table`). ``STOCHASTIC``: the parameters and states are bf16,
+    stored with stochastic rounding; ``positions``: the elements' distinct indices, for their random bits."""
     # Widen right after loading: bf16 arithmetic is wrong under TRITON_INTERPRET, and fp32 math
     # is what we want on the GPU anyway.
     p = tl.load(Param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(ExpAvg_ptr + offsets, mask=mask, other=0.0)
-    v = tl.load(ExpAvgSq_ptr + offsets, mask=mask, other=0.0)
+    m = tl.load(ExpAvg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(ExpAvgSq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     step_size = tl.load(Coefs_ptr + 0)
     bias_correction2_sqrt = tl.load(Coefs_ptr + 1)
     one_minus_beta1 = tl.load(Coefs_ptr + 2)
@@ -104,9 +129,16 @@ def adamw_update_block(
     # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps; param.addcdiv_(exp_avg, denom, value=-step_size)
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    tl.store(Param_ptr + offsets, p.to(Param_ptr.dtype.element_ty), mask=mask)
-    tl.store(ExpAvg_ptr + offsets, m, mask=mask)
-    tl.store(ExpAvgSq_ptr + offsets, v, mask=mask)
+    if STOCHASTIC:
+        seed = tl.load(Coefs_ptr + 9).to(tl.int32)
+        r_p, r_m, r_v, _ = tl.randint4x(seed, positions)
+        tl.store(Param_ptr + offsets, round_bf16_stochastic(p, r_p), mask=mask)
+        tl.store(ExpAvg_ptr + offsets, round_bf16_stochastic(m, r_m), mask=mask)
+        tl.store(ExpAvgSq_ptr + offsets, round_bf16_stochastic(v, r_v), mask=mask)
+    else:
+        tl.store(Param_ptr + offsets, p.to(Param_ptr.dtype.element_ty), mask=mask)
+        tl.store(ExpAvg_ptr + offsets, m.to(ExpAvg_ptr.dtype.element_ty), mask=mask)
+        tl.store(ExpAvgSq_ptr + offsets, v.to(ExpAvgSq_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -120,12 +152,15 @@ def _adamw_kernel(
     DECOUPLED: tl.constexpr,
     HAS_CLIP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    STOCHASTIC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     g = tl.load(Grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP)
+    adamw_update_block(
+        Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP, STOCHASTIC, offsets
+    )
 
 
 def adamw_coefs(step: torch.Tensor, hparams: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
@@ -146,6 +181,7 @@ def launch_adamw(
     hparams: torch.Tensor,
     grad_norm: torch.Tensor | None,
     decoupled: bool,
+    stochastic: bool = False,
     *,
     block_size: int = BLOCK_SIZE,
     num_warps: int = NUM_WARPS,
@@ -163,6 +199,7 @@ def launch_adamw(
         DECOUPLED=decoupled,
         HAS_CLIP=grad_norm is not None,
         BLOCK_SIZE=block_size,
+        STOCHASTIC=stochastic,
         num_warps=num_warps,
     )
 
@@ -177,6 +214,7 @@ def adamw_step(
     hparams: torch.Tensor,
     grad_norm: torch.Tensor | None,
     decoupled: bool,
+    stochastic: bool = False,
 ) -> None:
     """One Adam(W) step over flat buffers, in place.
 
@@ -189,11 +227,12 @@ def adamw_step(
         hparams: float64 ``[lr, beta1, beta2, eps, weight_decay, max_grad_norm]`` on the device.
         grad_norm: Global gradient norm (fp32 scalar on the device) to clip with, or ``None``.
         decoupled: AdamW's decoupled weight decay if true, Adam's L2 penalty if false.
+        stochastic: bf16 parameters and states, stored with stochastic rounding (see the module docstring).
     """
-    check_flat_args(param, grad, [exp_avg, exp_avg_sq], step, hparams, N_HPARAMS)
-    launch_adamw(param, grad, exp_avg, exp_avg_sq, step, hparams, grad_norm, decoupled)
+    check_flat_args(param, grad, [exp_avg, exp_avg_sq], step, hparams, N_HPARAMS, states_like_param=stochastic)
+    launch_adamw(param, grad, exp_avg, exp_avg_sq, step, hparams, grad_norm, decoupled, stochastic)
 
 
 @adamw_step.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, step, hparams, grad_norm, decoupled) -> None:
+def _(param, grad, exp_avg, exp_avg_sq, step, hparams, grad_norm, decoupled, stochastic=False) -> None:
     return None

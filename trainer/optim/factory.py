@@ -91,6 +91,7 @@ def build_optimizer(
     sharded: bool = False,
     scaled: bool = False,
     buckets: BucketPlan | None = None,
+    stochastic_rounding: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the optimizer for a training run.
 
@@ -118,6 +119,8 @@ def build_optimizer(
             parameters into the plan's flat buffers (build it before DDP's wrapper, which reduces over the plan),
             keeps this rank's shard of the state in an inner optimizer of ``impl`` (one of torch's: ``triton`` re-lays
             parameters out in buffers of its own) and clips to ``max_grad_norm`` itself.
+        stochastic_rounding: bf16 master weights: ``triton``'s AdamW keeps bf16 states for bf16 parameters and
+            stores both with stochastic rounding (an error for any other impl or name).
 
     Returns:
         A ``torch.optim.Optimizer`` with two extra attributes: ``clips_grad_norm`` (true when the
@@ -144,6 +147,8 @@ def build_optimizer(
     device = torch.device(device)
     resolved = resolve_impl(impl, device, name=name, sharded=sharded, scaled=scaled)
     betas = tuple(betas)
+    if stochastic_rounding and (resolved != "triton" or name == "sgd"):
+        raise ValueError(f"bf16 master weights need trainer's Triton AdamW or Adam, not {resolved} {name}")
 
     if resolved == "triton":
         if name == "sgd":
@@ -163,6 +168,7 @@ def build_optimizer(
                 max_grad_norm=max_grad_norm,
                 decoupled_weight_decay=name == "adamw",
                 flat_grads=False,
+                stochastic_rounding=stochastic_rounding,
             )
     else:
         flags = {"eager": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}

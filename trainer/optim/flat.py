@@ -82,6 +82,10 @@ class FlatOptimizer(torch.optim.Optimizer):
     """
 
     state_keys: tuple[str, ...] = ()
+
+    def _state_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the states of parameters of ``dtype``: fp32 (a subclass may keep bf16 ones)."""
+        return torch.float32
     state_has_step = True  # torch's AdamW keeps a per-parameter 'step'; its SGD does not
 
     def __init__(
@@ -197,7 +201,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                     in_place = self.sharded
                     flat = FlatGroup(ps, flat_grads=False, flat_params=not in_place, align=grad_table.BLOCK_SIZE)
                     flat.table = grad_table.GradTable(ps, flat.offsets, flat.numel, in_place=in_place)
-                bufs = {k: flat.zeros(torch.float32) for k in self.state_keys}
+                bufs = {k: flat.zeros(self._state_dtype(dtype)) for k in self.state_keys}
                 # torch keeps a step per parameter; a flat group steps as one. They agree unless
                 # some parameter never had a gradient, and then the group takes the largest.
                 host_step = int(max((self._loaded_step(saved[p]) for p in ps if saved.get(p)), default=0))

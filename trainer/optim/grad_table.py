@@ -172,13 +172,16 @@ def _adamw_blocks_kernel(
     GRAD_DTYPE: tl.constexpr,
     ALIGNED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    STOCHASTIC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     g, mask, _, _ = _grad_block(
         GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED, BLOCK_SIZE
     )
     offsets = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    adamw_update_block(Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP)
+    adamw_update_block(
+        Param_ptr, ExpAvg_ptr, ExpAvgSq_ptr, offsets, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP, STOCHASTIC, offsets
+    )
 
 
 @triton.jit
@@ -197,18 +200,26 @@ def _adamw_in_place_kernel(
     GRAD_DTYPE: tl.constexpr,
     ALIGNED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    STOCHASTIC: tl.constexpr = False,
 ):
     """``_adamw_blocks_kernel`` with the parameters and both states, too, read and written where they live
-    (through their address tables)."""
+    (through their address tables); the states in the parameters' dtype with ``STOCHASTIC`` (bf16), else fp32."""
     pid = tl.program_id(0)
     g, mask, t, idx = _grad_block(
         GradPtrs_ptr, BlockTensor_ptr, BlockStart_ptr, Numel_ptr, pid, GRAD_DTYPE, ALIGNED, BLOCK_SIZE
     )
     params, _ = _tabled(ParamPtrs_ptr, t, idx, PARAM_DTYPE, ALIGNED)
-    exp_avg, _ = _tabled(ExpAvgPtrs_ptr, t, idx, tl.float32, ALIGNED)
-    exp_avg_sq, _ = _tabled(ExpAvgSqPtrs_ptr, t, idx, tl.float32, ALIGNED)
+    if STOCHASTIC:
+        exp_avg, _ = _tabled(ExpAvgPtrs_ptr, t, idx, PARAM_DTYPE, ALIGNED)
+        exp_avg_sq, _ = _tabled(ExpAvgSqPtrs_ptr, t, idx, PARAM_DTYPE, ALIGNED)
+    else:
+        exp_avg, _ = _tabled(ExpAvgPtrs_ptr, t, idx, tl.float32, ALIGNED)
+        exp_avg_sq, _ = _tabled(ExpAvgSqPtrs_ptr, t, idx, tl.float32, ALIGNED)
+    positions = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)  # distinct per element: random bits
     # adamw_update_block adds its offsets to each pointer: here blocks of pointers, already at their elements.
-    adamw_update_block(params, exp_avg, exp_avg_sq, 0, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP)
+    adamw_update_block(
+        params, exp_avg, exp_avg_sq, 0, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP, STOCHASTIC, positions
+    )
 
 
 @triton.jit
@@ -325,7 +336,8 @@ class GradTable:
         table = self._state_ptrs.get(addresses)
         if table is None:
             for t, shape in zip(states, self.shapes, strict=True):
-                assert t.dtype == torch.float32 and t.device == self.device and t.is_contiguous() and t.shape == shape
+                assert t.dtype in (torch.float32, torch.bfloat16) and t.device == self.device
+                assert t.is_contiguous() and t.shape == shape
             # Each its own allocation (16-byte aligned by every allocator), so the states never spoil ALIGNED.
             assert all(a % 16 == 0 for t, a in zip(states, addresses) if t.numel())
             table = torch.empty(len(addresses), dtype=torch.int64, device=self.device)
@@ -378,6 +390,7 @@ class GradTable:
         hparams: torch.Tensor,
         grad_norm: torch.Tensor | None,
         decoupled: bool,
+        stochastic: bool = False,
     ) -> None:
         """One Adam(W) step of the flat buffers with the tabled gradients (arguments as ``adamw_step``); in place,
         ``param`` is None (the parameters are updated where they live) and each state is a tensor per parameter."""
@@ -391,6 +404,7 @@ class GradTable:
             GRAD_DTYPE=_TL_DTYPES[self.dtype],
             ALIGNED=self.aligned,
             BLOCK_SIZE=BLOCK_SIZE,
+            STOCHASTIC=stochastic,
             num_warps=NUM_WARPS,
         )
         if self.in_place:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from trainer.optim.adamw import _adamw_kernel, adamw_step
 from trainer.optim.flat import FlatOptimizer
 from trainer.optim.flat_group import FlatGroup
@@ -46,6 +48,9 @@ class TritonAdamW(FlatOptimizer):
             ``grad += new`` in the backward and no zeroing, for a single GPU without gradient accumulation.
             FSDP2's ``DTensor`` parameters always take the table, parameters included (leave it unset).
         decoupled_weight_decay: AdamW (true) or Adam with an L2 penalty (false).
+        stochastic_rounding: bf16 master weights (``optim.master_weights=bf16``): bf16 parameters keep bf16
+            states, and the parameters and states are stored with stochastic rounding (see
+            :mod:`trainer.optim.adamw`); parameters of other dtypes are updated as without it.
 
     Raises:
         ValueError: On invalid hyperparameters, or parameters on a device Triton cannot run on.
@@ -64,7 +69,9 @@ class TritonAdamW(FlatOptimizer):
         max_grad_norm: float = 0.0,
         decoupled_weight_decay: bool = True,
         flat_grads: bool | None = None,
+        stochastic_rounding: bool = False,
     ):
+        self.stochastic_rounding = stochastic_rounding
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not eps >= 0.0:
@@ -103,13 +110,17 @@ class TritonAdamW(FlatOptimizer):
             self.max_grad_norm,
         )
 
+    def _state_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16 if self.stochastic_rounding and dtype == torch.bfloat16 else torch.float32
+
     def _update(self, group, flat: FlatGroup, bufs, step, hparams, grad_norm) -> None:
         decoupled = bool(group.get("decoupled_weight_decay", self.defaults["decoupled_weight_decay"]))
+        stochastic = self.stochastic_rounding and flat.dtype == torch.bfloat16
+        m, v = bufs["exp_avg"], bufs["exp_avg_sq"]
         if not self.flat_grads:
-            m, v = bufs["exp_avg"], bufs["exp_avg_sq"]
-            flat.table.launch_adamw(flat.param, m, v, step, hparams, grad_norm, decoupled)
+            flat.table.launch_adamw(flat.param, m, v, step, hparams, grad_norm, decoupled, stochastic)
             return
-        adamw_step(flat.param, flat.grad, bufs["exp_avg"], bufs["exp_avg_sq"], step, hparams, grad_norm, decoupled)
+        adamw_step(flat.param, flat.grad, m, v, step, hparams, grad_norm, decoupled, stochastic)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         for key in ("amsgrad", "maximize"):
