@@ -86,6 +86,7 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _state_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the states of parameters of ``dtype``: fp32 (a subclass may keep bf16 ones)."""
         return torch.float32
+
     state_has_step = True  # torch's AdamW keeps a per-parameter 'step'; its SGD does not
 
     def __init__(

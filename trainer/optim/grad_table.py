@@ -217,9 +217,7 @@ def _adamw_in_place_kernel(
         exp_avg_sq, _ = _tabled(ExpAvgSqPtrs_ptr, t, idx, tl.float32, ALIGNED)
     positions = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)  # distinct per element: random bits
     # adamw_update_block adds its offsets to each pointer: here blocks of pointers, already at their elements.
-    adamw_update_block(
-        params, exp_avg, exp_avg_sq, 0, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP, STOCHASTIC, positions
-    )
+    adamw_update_block(params, exp_avg, exp_avg_sq, 0, mask, g, Coefs_ptr, DECOUPLED, HAS_CLIP, STOCHASTIC, positions)
 
 
 @triton.jit
