@@ -423,3 +423,23 @@ def test_explain_memory_on_the_cpu_prints_the_parts_and_each_mode(capsys, tmp_pa
     for mode in memory.MODES:
         assert f"  {mode} " in r.stdout and "(measured at micro-batch 4, 8" in r.stdout, r.stdout
     assert not re.search(r"-[\d.]+ [MG]B", r.stdout), r.stdout  # no part, nor an intercept, as a negative size
+
+
+def test_bf16_master_weights_count_two_bytes_a_parameter_and_state():
+    """optim.master_weights=bf16: the counted parameters, gradients and AdamW states against the tensors of a model
+    cast as the run casts it and trainer's Triton AdamW after one step (bf16 states), exactly."""
+    from trainer.build import build_model_of, master_weights
+    from trainer.optim.optimizers import TritonAdamW
+
+    shape = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2"]
+    cfg = load_config(None, [*GPT2[:-1], *shape, "optim.master_weights=bf16", "train.precision=bf16"])
+    counted = memory.static_parts(memory.model_on_meta(cfg, 256), cfg, 1, "cpu")
+    model = master_weights(build_model_of(cfg, 256, pretrained=False), cfg)
+    opt = TritonAdamW(model.parameters(), stochastic_rounding=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    states = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert counted["parameters"][0] == counted["gradients"][0] == params and "bf16" in counted["parameters"][1]
+    assert counted["optimizer state"][0] == states == 2 * params

@@ -72,12 +72,16 @@ def static_parts(
     states = OPTIMIZER_STATES.get(cfg.optim.name, 1 if cfg.optim.momentum > 0 else 0)
     state_shard = shard if strategy.fsdp else world if strategy.zero else 1
     on = (f", the split linears / tp {mesh.tp}" if split else "") + (f" / {shard} ranks" if shard > 1 else "")
+    dtype, state_dtype = _dtype_name(params), "fp32"
+    if cfg.optim.master_weights == "bf16":  # the parameters cast once, the states kept in bf16 (optim.master_weights)
+        stored, dtype, state_dtype = 2 * n, "bf16", "bf16"
     parts = {
-        "parameters": (stored / shard, f"{_count(int(n))}, {_dtype_name(params)}{on}"),
+        "parameters": (stored / shard, f"{_count(int(n))}, {dtype}{on}"),
         "gradients": (stored / shard, f"as the parameters{on}"),
         "optimizer state": (
-            n * 4 * states / state_shard,
-            f"{cfg.optim.name}: {states} fp32 per parameter" + (f" / {state_shard} ranks" if state_shard > 1 else ""),
+            n * (2 if state_dtype == "bf16" else 4) * states / state_shard,
+            f"{cfg.optim.name}: {states} {state_dtype} per parameter"
+            + (f" / {state_shard} ranks" if state_shard > 1 else ""),
         ),
     }
     if strategy.fsdp:
