@@ -425,3 +425,23 @@ def test_two_gpus_fsdp_triton_reproduce_one_gpu(name, tmp_path):
     na, nb = metric(tmp_path / "one", "grad_norm"), metric(tmp_path / "two", "grad_norm")
     for step in na:
         assert abs(na[step] - nb[step]) <= 1e-3 * na[step], (step, na[step], nb[step])
+
+
+@pytest.mark.slow  # a 2-rank run and its resume
+def test_bf16_master_weights_on_fsdp_ranks_resume_bit_for_bit(tmp_path):
+    """optim.master_weights=bf16 under fsdp on 2 ranks: the in-place kernel keeps each shard's states in bf16 (the
+    DCP checkpoint holds them so), and a run resumed from step 5 ends as the run that was not stopped, bit for bit
+    (each rank's random bits a function of the step and the element's place in its shard)."""
+    args = (
+        "optim.master_weights=bf16",
+        "train.precision=bf16",
+        "distributed.strategy=fsdp",
+        "train.micro_batch_size=4",
+    )
+    _run(2, tmp_path / "whole", *args)
+    _run(2, tmp_path / "cut", *args, "train.stop_at=5")
+    _run(2, tmp_path / "cut", *args, "resume=last")
+    a, b = losses(tmp_path / "whole"), losses(tmp_path / "cut")
+    assert sorted(a) == sorted(b) == list(range(1, 9)) and a == b, (a, b)
+    states = [t for s in _optim_states(tmp_path / "whole", 8) for k, t in s.items() if k != "step"]
+    assert states and {t.dtype for t in states} == {torch.bfloat16}
