@@ -259,7 +259,9 @@ class StopSignals:
     waiting on the device for a collective with it never returns to Python to see the signal, so torchrun would kill
     it only after its 30 s shutdown timeout, all of it added to the restart. A thread woken by the signal itself
     (``signal.set_wakeup_fd``: written by the C-level handler, also while the main thread waits in CUDA or NCCL)
-    then says which rank was lost and ends this process at once (:data:`LOST_PEER_EXIT`)."""
+    then gives the main thread :data:`LOST_PEER_GRACE_S` to end on its own (a rank leaving with the same error as
+    the lost one keeps its message and exit status), then says which rank was lost and ends this process
+    (:data:`LOST_PEER_EXIT`)."""
 
     def __init__(self, env: DistEnv | None = None):
         self.requested = False
@@ -309,11 +311,14 @@ class StopSignals:
                 (r, pid) for r, (h, pid) in enumerate(env.peers) if h == host and r != env.rank and not pid_alive(pid)
             ]
             if gone:
+                # A rank on its way out already (with the same error as the lost rank's, say) ends in this time
+                # with its own message and exit status; one waiting on the device for the lost rank does not.
+                time.sleep(LOST_PEER_GRACE_S)
                 who = ", ".join(f"rank {r} (pid {pid} on {host})" for r, pid in gone)
                 os.write(
                     2,
-                    f"trainer: rank {env.rank}: lost {who}: it exited, and torchrun is ending the job's ranks "
-                    "to restart it; exiting now (a checkpoint needs every rank: nothing saved)\n".encode(),
+                    f"trainer: rank {env.rank}: lost {who}: it exited, and torchrun is ending the job's ranks; "
+                    "exiting now (a checkpoint needs every rank: nothing saved)\n".encode(),
                 )
                 os._exit(LOST_PEER_EXIT)
 
@@ -322,6 +327,8 @@ class StopSignals:
         return any_rank(self.requested, env)
 
 
+LOST_PEER_GRACE_S = 2.0
+"""How long :class:`StopSignals` lets a rank that got torchrun's SIGTERM after a lost rank end on its own."""
 LOST_PEER_EXIT = 128 + signal.SIGTERM
 """The exit status of a rank ended by :class:`StopSignals` after a lost rank: as if SIGTERM had ended it."""
 
