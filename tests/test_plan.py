@@ -244,7 +244,7 @@ def test_without_the_key_a_resume_on_another_world_warns():
 
 
 def test_background_checkpoints_are_on_for_cuda_where_the_host_holds_the_copy_twice():
-    from trainer.plan import background_checkpoints
+    from trainer.checkpoint.background import background_checkpoints
 
     gb = 10**9
     assert background_checkpoints("cuda", 12 * gb, 1, 100 * gb)[0] is True

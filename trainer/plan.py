@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,10 +237,11 @@ class Plan:
         model, whole or on the meta device); and ``checkpoint.async_save`` resolved for its state's size."""
         asked = self.cfg.checkpoint.async_save
         if asked == "auto":
+            from trainer.checkpoint.background import available_host_memory, background_checkpoints, local_ranks
+
             shards = self.strategy.world if self.strategy.fsdp else 1
             state = sum(p.numel() * (p.element_size() + 8) for p in model.parameters()) // shards  # + AdamW's two
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            on, why = background_checkpoints(self.device.type, state, local, available_host_memory(),
+            on, why = background_checkpoints(self.device.type, state, local_ranks(), available_host_memory(),
                                              sharded=self.strategy.fsdp)  # fmt: skip
             plan = dataclasses.replace(
                 self, async_save=on, choices=(*self.choices, f"checkpoint.async_save=auto: {why}")
@@ -608,38 +608,3 @@ def _device_facts(device: torch.device) -> dict:
         return {}
     props = torch.cuda.get_device_properties(device)
     return {"device_memory": props.total_memory, "capability": (props.major, props.minor)}
-
-
-def background_checkpoints(
-    device: str, state_bytes: int, local_ranks: int, available: int | None, sharded: bool = False
-) -> tuple[bool, str]:
-    """``checkpoint.async_save=auto``: whether to write checkpoints in the background, and why. On CUDA the save
-    then holds the step only for the copy to pinned host memory (0.25 s against 28.8 s for the Llama-3.2-1B shape on
-    an H200: docs/performance.md); the copy stays in host memory, so it is on when the host's available memory
-    (``available`` bytes, None: unknown) holds every local rank's copy (``state_bytes`` each) twice over. Off on a
-    CPU, where the copy and the write share the cores that train, and under fsdp (``sharded``: DCP's stager and
-    background ``dcp.save``), which ``true`` turns on."""
-    if device != "cuda":
-        return False, "off (on a CPU the copy and the write share the cores that train)"
-    if sharded:
-        return False, "off under fsdp (true writes DCP's shards in the background)"
-    need = state_bytes * local_ranks
-    ranks = f" x {local_ranks} local ranks" if local_ranks > 1 else ""
-    if available is None:
-        return False, f"off (the host's available memory is unknown; the copy needs {need / 1e9:.1f} GB)"
-    room = f"{state_bytes / 1e9:.1f} GB{ranks} in host memory; {available / 1e9:.0f} GB available"
-    if 2 * need > available:
-        return False, f"off (the copy would take {room}: less than twice over; true insists)"
-    return True, f"on (the save holds the step for a copy of the state: {room})"
-
-
-def available_host_memory() -> int | None:
-    """The host's available memory in bytes (Linux's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
