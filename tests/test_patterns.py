@@ -488,3 +488,26 @@ def test_the_substituted_attention_has_no_mask_and_shares_the_key_value_heads():
     model = MaskedAttention("repeat")
     torch.compile(LossOnly(model), backend=substituting(inner, ["causal_attention"]), fullgraph=True)(*_batches(n=1)[0])
     assert seen[0]["attn_mask"] is None and seen[0]["is_causal"] is True and seen[0]["enable_gqa"] is True
+
+
+def test_a_graph_with_substituted_kernels_comes_from_the_autograd_cache_when_compiled_again(tmp_path, monkeypatch):
+    """The passes put Python functions in the graph; AOTAutograd's cache leaves out such a graph unless they are
+    marked cacheable, and every start (a resume) would trace the joint graph again."""
+    from trainer.compile.capture import inner_backend
+    from trainer.compile.report import CompileWatcher
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = NanoGPT(n_layer=1)
+    idx = torch.randint(0, 64, (2, 16))
+
+    def compile_once() -> dict:
+        torch._dynamo.reset()
+        backend = inner_backend("inductor", kernels=["add_layer_norm", "cross_entropy"])
+        with CompileWatcher() as watcher:
+            torch.compile(LossOnly(model), backend=backend)(idx, idx).backward()
+        return watcher.report()["cache"]
+
+    first = compile_once()
+    assert first["autograd_cache_bypass"] == 0 and first["autograd_cache_miss"] == 1
+    again = compile_once()
+    assert again["autograd_cache_hit"] == 1 and again["autograd_cache_miss"] == 0

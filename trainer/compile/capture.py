@@ -177,6 +177,12 @@ def inner_backend(
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
+        if kernels:  # the passes' functions in the graph, which AOTAutograd's cache would otherwise leave out
+            from trainer.compile.passes.substitute import cache_marks
+
+            patches = dict(patches or {})
+            marks = {**patches.get("unsafe_marked_cacheable_functions", {}), **cache_marks()}
+            patches["unsafe_marked_cacheable_functions"] = marks
         inner = functools.partial(compile_fx, config_patches=patches)
     else:
         inner = torch._dynamo.lookup_backend(backend)
