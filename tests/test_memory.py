@@ -17,7 +17,7 @@ import yaml
 from tests.conftest import ROOT, cli, run_cli, torchrun
 from trainer import memory, tune
 from trainer.config import load_config
-from trainer.memory import GB, Estimate, Point
+from trainer.memory import GB, Estimate, Point, probe
 
 GPT2 = ["model.preset=gpt2-small", "data.seq_len=32", "train.precision=fp32"]
 
@@ -45,9 +45,9 @@ def test_parts_and_prediction_match_the_tensors_of_a_step(name, tmp_path):
     assert transient[0] == counted["parameters"][0]  # foreach on the CPU
     for mode in ["none"] if name == "gpt2-124m" else list(memory.MODES):
         est = Estimate(counted, cfg.data.seq_len, transient=transient)
-        est.points = [Point(mode, b, memory.cpu_peak(cfg, mode, b, vocab)) for b in (1, 2)]
+        est.points = [Point(mode, b, probe.cpu_peak(cfg, mode, b, vocab)) for b in (1, 2)]
         actual = {}
-        backward = memory.cpu_peak(cfg, mode, 4, vocab, parts=actual)
+        backward = probe.cpu_peak(cfg, mode, 4, vocab, parts=actual)
         for part in ("parameters", "gradients", "optimizer state"):
             assert counted[part][0] == pytest.approx(actual[part], rel=0.10), (part, counted[part], actual[part])
         assert est.peak(mode, 4) == pytest.approx(actual["step"], rel=0.10), (mode, est.peak(mode, 4), actual)
@@ -60,7 +60,7 @@ def test_parts_and_prediction_match_the_tensors_of_a_step(name, tmp_path):
 def test_live_bytes_counts_what_a_step_creates_and_frees():
     lin = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256)
-    with memory.LiveBytes() as live:
+    with probe.LiveBytes() as live:
         y = lin(x).relu()
         after_forward = live.live
         y.sum().backward()
@@ -416,7 +416,9 @@ def test_fit_warns_before_step_1_from_measured_points(tmp_path):
 
 
 def test_explain_memory_on_the_cpu_prints_the_parts_and_each_mode(capsys, tmp_path):
-    r = cli(capsys, "explain", "--memory", "tiny", f"run.dir={tmp_path / 'run'}", "train.micro_batch_size=4")
+    r = cli(
+        capsys, "explain", "--memory", "--measure", "tiny", f"run.dir={tmp_path / 'run'}", "train.micro_batch_size=4"
+    )
     assert r.returncode == 0, r.stderr
     for line in ("parameters", "gradients", "optimizer state", "optimizer step", "counted"):
         assert line in r.stdout, r.stdout
@@ -443,3 +445,50 @@ def test_bf16_master_weights_count_two_bytes_a_parameter_and_state():
     states = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
     assert counted["parameters"][0] == counted["gradients"][0] == params and "bf16" in counted["parameters"][1]
     assert counted["optimizer state"][0] == states == 2 * params
+
+
+def test_explain_memory_traces_each_mode_for_a_named_gpu_on_the_cpu(capsys, tmp_path):
+    """No probe runs: each mode's step traced, its peak at each micro-batch asked, the largest that fits."""
+    r = cli(
+        capsys, "explain", "--memory", "tiny", f"run.dir={tmp_path / 'run'}",
+        "--gpu", "1", "--micro-batches", "4,8,64", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["usable_gb"] == round(memory.USABLE, 2) and out["world"] == 1
+    modes = out["modes"]
+    assert list(modes) == list(memory.MODES)
+    for m in modes.values():
+        peaks = [m["peak_gb"][b] for b in ("4", "8", "64")]
+        assert peaks[0] < peaks[1] < peaks[2], m
+    saved = [modes[m]["saved_gb_per_sequence"] for m in memory.MODES]
+    assert saved[0] > saved[1] >= saved[2] > 0, saved
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.tune").exists()  # nothing ran
+
+
+def test_a_gpu_that_is_not_known_exits_2_with_a_suggestion(capsys, tmp_path):
+    r = cli(capsys, "explain", "--memory", "tiny", f"run.dir={tmp_path / 'run'}", "--gpu", "h10")
+    assert r.returncode == 2 and "did you mean 'h100'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = cli(capsys, "explain", "--memory", "tiny", "--micro-batches", "4,x")
+    assert r.returncode == 2 and "--micro-batches" in r.stderr, r.stderr
+
+
+def test_the_walk_counts_a_view_once_frees_after_the_last_reader_and_keeps_outputs():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from trainer.memory.trace import _envelope, _live
+
+    def step(x, w):
+        a = x * 2  # 96 bytes, scales with the batch
+        b = a.view(-1)  # a's storage
+        c = b + 1  # 96 bytes; a is freed after it
+        d = w * 3  # 20 bytes, fixed
+        return c, d
+
+    gm = make_fx(step, tracing_mode="fake")(torch.zeros(3, 8), torch.zeros(5))
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    scaling = {names[0], names[1], names[2]}
+    assert _live(gm, scaling, set(), keep_outputs=True) == [(96, 20), (192, 0)]  # the envelope of the series
+    kept = _live(gm, scaling, set(), keep_outputs=False)
+    assert kept == [(0, 20), (192, 0)]  # c freed once made: d is made with nothing else live
+    assert _envelope([(0, 5), (10, 5), (10, 7), (20, 1)]) == [(10, 7), (20, 1)]

@@ -97,8 +97,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--memory",
         action="store_true",
-        help="predict the peak memory per rank, by part, from short runs of each checkpointing mode, and "
-        "the largest micro-batch that fits",
+        help="predict the peak memory per rank, by part, from each checkpointing mode's traced step (no GPU "
+        "needed), and the largest micro-batch that fits",
+    )
+    e.add_argument("--gpu", help="with --memory: the GPU to fit (h100, h200, or a size in GB; default: this one's)")
+    e.add_argument("--world", type=steps, help="with --memory: the number of GPUs (default: torchrun's, or 1)")
+    e.add_argument(
+        "--micro-batches", metavar="B,B,...", help="with --memory: the micro-batches to predict (e.g. 4,16,32)"
+    )
+    e.add_argument("--json", action="store_true", help="with --memory: print the prediction as JSON")
+    e.add_argument(
+        "--measure",
+        action="store_true",
+        help="with --memory: measure short runs of each mode instead (on the GPU: calibration)",
     )
     t = sub.add_parser(
         "tune",
@@ -240,14 +251,28 @@ def _run(args) -> int:
         from trainer.sample import main as sample
 
         return sample(args)
-    given, args.config = args.config, _config_file(args.config)
+    if getattr(args, "json", False):  # stdout is the JSON alone: the config's line goes to stderr
+        import contextlib
+
+        with contextlib.redirect_stdout(sys.stderr):
+            given, args.config = args.config, _config_file(args.config)
+    else:
+        given, args.config = args.config, _config_file(args.config)
     overrides, resume = _split_resume(args.overrides)
     if args.command == "explain" and resume:
         raise ValueError("resume: not supported by explain")
     if args.command == "explain" and args.memory:
         from trainer.tune import explain_memory
 
-        return explain_memory(args.config, overrides)
+        return explain_memory(
+            args.config,
+            overrides,
+            gpu=args.gpu,
+            world=args.world,
+            micro_batches=_micro_batches(args.micro_batches),
+            as_json=args.json,
+            measure=args.measure,
+        )
     if args.command == "explain":
         return _explain(args.config, overrides, args.steps, args.dump_code, args.verbose)
     if args.command == "tune":
@@ -282,6 +307,19 @@ def _config_file(config: str) -> str:
     if shipped:
         console.info(f"config: {path}, shipped with trainer (no {config} in the working directory)")
     return str(path)
+
+
+def _micro_batches(value: str | None) -> list[int] | None:
+    """``--micro-batches``' list; exit 2 for anything but positive whole numbers."""
+    if value is None:
+        return None
+    try:
+        sizes = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--micro-batches: '{value}' is not a list of positive whole numbers (e.g. 4,16,32)")
+    return sizes
 
 
 def _explain(config: str, overrides: list[str], steps: int, dump_dir: str | None, verbose: bool = False) -> int:

@@ -554,15 +554,29 @@ def _batch_key(s: Session) -> str:
     return "train.global_batch_size" if s.derived else "train.grad_accum"
 
 
-def explain_memory(config: str, overrides: list[str], say=console.info) -> int:
-    """``trainer explain --memory``: the counted parts, then each mode probed (:func:`probe_modes`; on the CPU: one
-    step in this process, its live tensor bytes counted), and the largest micro-batch of :data:`GRID` that fits."""
+def explain_memory(
+    config: str,
+    overrides: list[str],
+    say=console.info,
+    gpu: str | None = None,
+    world: int | None = None,
+    micro_batches: list[int] | None = None,
+    as_json: bool = False,
+    measure: bool = False,
+) -> int:
+    """``trainer explain --memory``: the counted parts and each mode's traced step (:func:`memory.traced_estimate`),
+    for ``gpu`` (this one's memory by default) and ``world`` ranks; with ``measure``, each mode probed instead
+    (:func:`probe_modes`; on the CPU: one step in this process, its live tensor bytes counted)."""
     cfg = load_config(config, overrides)
+    if not measure:
+        return _traced_memory(cfg, say, gpu, world, micro_batches, as_json)
     b0 = cfg.train.micro_batch_size
     if not on_cuda(cfg):
         if World.from_env().rank:  # each rank's model is the same; rank 0 speaks
             return 0
-        est = memory.cpu_estimate(cfg, b0)
+        from trainer.memory.probe import cpu_estimate
+
+        est = cpu_estimate(cfg, b0)
         say(
             est.describe(
                 GRID,
@@ -579,6 +593,34 @@ def explain_memory(config: str, overrides: list[str], say=console.info) -> int:
     if world.rank == 0:
         say(s.estimate.describe(GRID, f"memory per rank of {world.size}, predicted:"))
         say(prediction_table(s.estimate, [b for b in GRID if b >= b0][:12]))
+    return 0
+
+
+def _traced_memory(cfg, say, gpu: str | None, world: int | None, sizes: list[int] | None, as_json: bool) -> int:
+    import json
+
+    start = time.perf_counter()
+    world = world or World.from_env().size
+    if World.from_env().rank:  # each rank's prediction is the same; rank 0 speaks
+        return 0
+    if gpu is not None:
+        device_memory, named = memory.device_bytes(gpu), gpu
+    elif torch.cuda.is_available():
+        device_memory, named = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    else:
+        device_memory, named = None, None
+    progress = None if as_json else say
+    est = memory.traced_estimate(cfg, world, device_memory, say=progress)
+    b0 = cfg.train.micro_batch_size
+    sizes = sizes or [b for b in GRID if b >= b0][:10]
+    on = f"{named} ({memory.size(device_memory)})" if named else "no GPU named (--gpu h100, h200 or a size in GB)"
+    text, result = memory.traced_report(est, sizes, f"memory per rank of {world}, {on}, predicted:")
+    result.update(gpu=named, world=world, seconds=round(time.perf_counter() - start, 1))
+    if as_json:
+        print(json.dumps(result, indent=1))
+    else:
+        say(text)
+        say(f"({result['seconds']} s; `--measure` measures short runs instead, on the GPU)")
     return 0
 
 

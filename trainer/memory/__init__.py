@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer import console
 from trainer.config import Config, to_dict
@@ -185,6 +183,8 @@ class Estimate:
     capacity: float | None = None  # bytes the allocator may reach on this device; None: unknown (CPU)
     points: list[Point] = field(default_factory=list)
     transient: tuple[float, str] = (0.0, "")  # the optimizer step's temporaries (step_transient)
+    traced: dict = field(default_factory=dict)  # mode -> trainer.memory.trace.Traced: the step's graphs counted
+    keep_grads: bool = True  # the backward makes the gradients (one micro-batch a step, not fsdp): not live before
 
     @property
     def static(self) -> float:
@@ -209,9 +209,26 @@ class Estimate:
         return slope, y1 - slope * b1 - self.static
 
     def peak(self, mode: str, micro_batch: int) -> float | None:
-        """The predicted peak bytes of ``mode`` at ``micro_batch``; None before the mode has a probe."""
+        """The predicted peak bytes of ``mode`` at ``micro_batch``: from the mode's measured points where it has
+        them, else from its traced step; None with neither."""
         f = self.fit(mode)
-        return None if f is None else self.static + max(f[1] + micro_batch * f[0], self.transient[0])
+        if f is not None:
+            return self.static + max(f[1] + micro_batch * f[0], self.transient[0])
+        traced = self.traced.get(mode)
+        if traced is None:
+            return None
+        made = self.parts["gradients"][0] if self.keep_grads else 0.0  # counted in the traced backward instead
+        return self.static - made + max(traced.activations(micro_batch, self.keep_grads), self.transient[0])
+
+    def largest_fitting(self, mode: str, limit: int = 4096) -> int | None:
+        """The largest micro-batch predicted to fit (None: none does, or unknown); the peak grows with it."""
+        if not self.fits(mode, 1):
+            return None
+        lo, hi = 1, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.fits(mode, mid) else (lo, mid - 1)
+        return lo
 
     def fits(self, mode: str, micro_batch: int) -> bool | None:
         """Whether ``micro_batch`` is predicted to fit; None where unknown (no probe, or no known capacity).
@@ -266,6 +283,110 @@ class Estimate:
                 f"  {mode:<10} {size(f[0]):>9} (measured at micro-batch {', '.join(map(str, probes))}{extra}){fits}"
             )
         return "\n".join(lines)
+
+
+GPUS = {"h100": 85.02e9, "h200": 150.76e9}
+"""The memory of each GPU ``--gpu`` names, in bytes, as CUDA reports it (H100 80GB HBM3 and H200 141GB)."""
+
+
+def device_bytes(value: str) -> float:
+    """``--gpu``'s value in bytes: a GPU of :data:`GPUS`, or a size in GB.
+
+    Raises:
+        ValueError: neither."""
+    name = value.strip().lower()
+    if name in GPUS:
+        return GPUS[name]
+    try:
+        gb = float(name.removesuffix("gb"))
+    except ValueError:
+        from difflib import get_close_matches
+
+        near = get_close_matches(name, GPUS, n=1)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        raise ValueError(f"--gpu: '{value}' is not {', '.join(GPUS)} or a size in GB{hint}") from None
+    if not gb > 0:
+        raise ValueError(f"--gpu: a size in GB must be positive (got {value})")
+    return gb * GB
+
+
+def traced_estimate(cfg: Config, world: int, device_memory: float | None, modes=MODES, say=None) -> Estimate:
+    """The estimate per rank of ``world`` on a CUDA device of ``device_memory`` bytes, each mode's activations from
+    its traced step (:mod:`trainer.memory.trace`), on this host."""
+    from trainer.memory.trace import trace_mode
+
+    vocab = _vocab_size(cfg)
+    model = model_on_meta(cfg, vocab)
+    t, strategy = cfg.train, _strategy(cfg, world)
+    per_rank = t.global_batch_size // strategy.dp_ranks if t.global_batch_size else None
+    accumulates = t.grad_accum > 1 if per_rank is None else per_rank > t.micro_batch_size
+    est = Estimate(
+        static_parts(model, cfg, world, "cuda"),
+        cfg.data.seq_len,
+        None if device_memory is None else USABLE * device_memory,
+        transient=step_transient(model, cfg, world, "cuda"),
+        keep_grads=not accumulates and not strategy.fsdp,
+    )
+    for mode in modes:
+        est.traced[mode] = trace_mode(cfg, vocab, mode)
+        if say:
+            say(f"  traced {mode} in {est.traced[mode].seconds:.1f} s")
+    return est
+
+
+def traced_report(est: Estimate, sizes: list[int], title: str) -> tuple[str, dict]:
+    """The traced estimate said (the parts, per mode the bytes saved per sequence, the largest micro-batch that
+    fits and the peaks at ``sizes``) and as JSON."""
+    lines = [title]
+    for name, (b, why) in est.parts.items():
+        made = name == "gradients" and est.keep_grads
+        lines.append(f"  {name:<17} {size(b):>9}   {why}" + ("; made in the backward (traced)" if made else ""))
+    if est.transient[0]:
+        lines.append(f"  {'optimizer step':<17} {size(est.transient[0]):>9}   {est.transient[1]}")
+    cap = f"; the device allows {size(est.capacity)} ({USABLE:.0%} of its memory)" if est.capacity else ""
+    lines.append(f"activations, traced, per sequence of {est.seq_len} tokens{cap}:")
+    modes = {}
+    for mode, traced in est.traced.items():
+        best = est.largest_fitting(mode) if est.capacity else None
+        fits = ""
+        if est.capacity:
+            fits = f"; largest micro-batch that fits: {best} ({size(est.peak(mode, best))})" if best else "; none fits"
+        lines.append(f"  {mode:<10} {size(traced.saved_per_sequence()):>9} saved for the backward{fits}")
+        modes[mode] = {
+            "saved_gb_per_sequence": round(traced.saved_per_sequence() / GB, 6),
+            "largest_micro_batch": best,
+            "peak_gb": {str(b): round(est.peak(mode, b) / GB, 2) for b in sizes},
+            "trace_s": round(traced.seconds, 1),
+        }
+    lines.append("predicted peak per rank (GB):")
+    lines.append("| micro-batch | " + " | ".join(est.traced) + " |")
+    lines.append("|---" * (len(est.traced) + 1) + "|")
+    for b in sizes:
+        cells = []
+        for mode in est.traced:
+            peak = est.peak(mode, b)
+            cells.append(f"{peak / GB:.1f}" + (" (too large)" if est.capacity and peak > est.capacity else ""))
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    result = {
+        "usable_gb": None if est.capacity is None else round(est.capacity / GB, 2),
+        "parts_gb": {k: round(b / GB, 3) for k, (b, _) in est.parts.items()},
+        "modes": modes,
+    }
+    return "\n".join(lines), result
+
+
+def _vocab_size(cfg: Config) -> int | None:
+    """The data's vocabulary where the data is there; else ``data.vocab_size``, or the model's own (a Hugging Face
+    config's)."""
+    from trainer.data import load_corpus
+
+    try:
+        c = cfg.data
+        return load_corpus(c.path, c.vocab_size, c.val_fraction, c.seq_len, dtype=c.dtype).vocab_size
+    except (OSError, ValueError):
+        if cfg.data.vocab_size or cfg.model.hf:
+            return cfg.data.vocab_size
+        raise
 
 
 def size(b: float) -> str:
@@ -324,45 +445,6 @@ def save_point(path: Path, key: str, point: Point) -> None:
     atomic_write_text(Path(path), json.dumps(rows, indent=1) + "\n")
 
 
-class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the tensor storages every op inside creates while they live, on one device type, and
-    their peak: the memory a step allocates on a device without an allocator's statistics (the CPU).
-
-    Storages that existed before (parameters, gradients, optimizer state) are not counted: add them."""
-
-    def __init__(self, device_type: str = "cpu"):
-        super().__init__()
-        self.device_type, self.live, self.peak = device_type, 0, 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }  # an in-place op's or a view's output is not new memory
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
-                if t.untyped_storage().data_ptr() not in inputs:
-                    self._track(t.untyped_storage())
-        return out
-
-    def _track(self, storage) -> None:
-        ptr = storage.data_ptr()
-        if ptr in self._seen or storage.nbytes() == 0:
-            return
-        self._seen.add(ptr)
-        n = storage.nbytes()
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, ptr, n)
-
-    def _free(self, ptr: int, n: int) -> None:
-        self._seen.discard(ptr)
-        self.live -= n
-
-
 def say_startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int | None) -> None:
     """Say :func:`startup_note`'s line, as a warning when it is one."""
     note = startup_note(cfg, model, world, device_memory)
@@ -408,85 +490,3 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
     best = est.largest(mode, [x for x in range(1, b) if per_rank % x == 0])
     hint = f"; micro-batch {best} is predicted to fit" if best else ""
     return f"warning: {said}: it will likely run out of memory{hint} (trainer tune searches)"
-
-
-def cpu_estimate(cfg: Config, micro_batch: int) -> Estimate:
-    """The estimate on the CPU: the counted parts, and each mode probed by :func:`cpu_peak` at ``micro_batch``."""
-    from trainer.data import load_corpus
-
-    corpus = load_corpus(
-        cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len, dtype=cfg.data.dtype
-    )
-    model = model_on_meta(cfg, corpus.vocab_size)
-    est = Estimate(static_parts(model, cfg, 1, "cpu"), cfg.data.seq_len, transient=step_transient(model, cfg, 1, "cpu"))
-    for mode in MODES:
-        for b in (micro_batch, 2 * micro_batch):  # two micro-batches: the line's constant too
-            est.points.append(Point(mode, b, cpu_peak(cfg, mode, b, corpus.vocab_size)))
-    return est
-
-
-def cpu_peak(cfg: Config, mode: str, micro_batch: int, vocab_size: int, parts: dict | None = None) -> float:
-    """The peak bytes of the forward and backward of the second training step of ``cfg`` at ``micro_batch`` in
-    ``mode`` on the CPU: the tensors alive before it (parameters, optimizer state) and the peak of those it
-    creates until the update. ``parts``, if given, receives the bytes of the parameters, gradients and optimizer
-    state as the step leaves them, and ``step``: the peak of the whole step, the update's temporaries included."""
-    import copy
-
-    from trainer import build, plan
-    from trainer.distributed.env import DistEnv
-
-    cfg = copy.deepcopy(cfg)
-    cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.activation_checkpointing = micro_batch, 1, mode
-    cfg.train.global_batch_size = None  # one micro-batch a step, whatever the run's global batch
-    cfg.train.device = "cpu"
-    p = plan.one_process(cfg, "cpu")
-    env = DistEnv(rank=0, local_rank=0, world_size=1, device=p.device, backend=None)
-    torch.manual_seed(0)
-    with console.quiet():  # a probe: what building and stepping the model would say is the run's to say
-        model = build.make_model(p, vocab_size, env)
-        opt = build.make_optimizer(model, p)
-        wrapped, _ = build.wrap(model, p, env, opt=opt)
-        step = build.train_step(wrapped, model, opt, None, p, env)
-        x = torch.randint(0, vocab_size, (micro_batch, cfg.data.seq_len))
-        batch = lambda _i: (x, x)  # noqa: E731
-        step(batch)  # the first step creates the gradients and the optimizer state
-    before = _storage_bytes(existing(model, opt))
-    grads = {}  # each parameter's gradient as the backward leaves it (the step may drop them after the update)
-    hooks = [q.register_post_accumulate_grad_hook(lambda q: grads.__setitem__(q, q.grad)) for q in model.parameters()]
-    update, backward_peak = opt.step, []
-
-    def step_after_backward(*args, **kwargs):  # the peak of the forward and backward, before the update
-        backward_peak.append(live.peak)
-        return update(*args, **kwargs)
-
-    opt.step = step_after_backward
-    with console.quiet(), LiveBytes("cpu") as live:
-        step(batch)
-    opt.step = update
-    for h in hooks:
-        h.remove()
-    if parts is not None:
-        parts["step"] = before + live.peak
-        parts["parameters"] = _storage_bytes(list(model.parameters()))
-        parts["gradients"] = _storage_bytes(list(grads.values()))
-        parts["optimizer state"] = _storage_bytes(
-            [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
-        )
-    return before + backward_peak[0]
-
-
-def existing(model: nn.Module, opt) -> list[torch.Tensor]:
-    """The parameters, their gradients and the optimizer's state tensors."""
-    ts = [*model.parameters(), *(q.grad for q in model.parameters() if q.grad is not None)]
-    ts += [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return ts
-
-
-def _storage_bytes(tensors) -> int:
-    seen, n = set(), 0
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            n += st.nbytes()
-    return n
