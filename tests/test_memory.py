@@ -154,6 +154,60 @@ def test_search_probes_each_mode_then_its_largest_fitting_micro_batch(monkeypatc
     assert text.count("\n") == len(device.calls) + 1 and "**fastest**" in text
 
 
+class _Traced:
+    """A mode's traced activations on the synthetic device: its bytes per sequence."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def activations(self, micro_batch, keep_grads):
+        return micro_batch * FakeDevice.PER_SEQ[self.mode]
+
+
+class Fp8Device(FakeDevice):
+    def run(self, mode, micro_batch, overrides, predicted=None):
+        p = super().run(mode, micro_batch, overrides, predicted)
+        if p.tokens_per_s and "train.precision=fp8" in overrides:
+            p.tokens_per_s *= 1.05
+        return p
+
+
+def _traced_session(monkeypatch, tmp_path, device):
+    monkeypatch.setattr(tune, "installed", lambda name: name == "torchao")
+    s = _session(monkeypatch, tmp_path, ["train.micro_batch_size=4", "train.grad_accum=16"], device, 60 * GB, "9.0")
+    s.estimate.parts = {"counted": (16 * GB, "")}
+    s.estimate.traced, s.estimate.keep_grads = {m: _Traced(m) for m in memory.MODES}, False
+    return s
+
+
+def test_with_traced_memory_tune_runs_fp8_first_then_each_modes_largest_micro_batch(monkeypatch, tmp_path):
+    """The modes' traced memory, no probes: the config as given (none, 4), fp8 at none's largest fitting size (8 of
+    the divisors of 64), none 8, then selective 16 and full 64 (each larger than the cheaper modes'); fp8 was faster
+    than bf16 at none 8, so it is tried on the fastest, selective 16."""
+    device = Fp8Device()
+    s = _traced_session(monkeypatch, tmp_path, device)
+    tune.search(s)
+    fp8 = ("train.precision=fp8",)
+    assert device.calls == [
+        ("none", 4, ()), ("none", 8, fp8), ("none", 8, ()), ("selective", 16, ()), ("full", 64, ()),
+        ("selective", 16, fp8),
+    ]  # fmt: skip
+    best = tune.fastest(s.measured)
+    assert (best.mode, best.micro_batch, "train.precision=fp8" in best.overrides) == ("selective", 16, True)
+    assert not s.skipped
+
+
+def test_tune_lists_what_the_budget_left_out(monkeypatch, tmp_path):
+    device = Fp8Device()
+    s = _traced_session(monkeypatch, tmp_path, device)
+    s.affords = lambda: len(s.measured) < 3
+    tune.search(s)
+    assert len(device.calls) == 3
+    text = tune.table(s.measured, 1, s.skipped)
+    assert text.count("skipped: no budget left") == 2, text
+    assert "train.activation_checkpointing=selective micro-batch 16" in text and "micro-batch 64" in text
+
+
 def test_with_global_batch_size_a_candidate_sets_the_micro_batch_alone(monkeypatch, tmp_path):
     """train.global_batch_size=64 in one process: the 64 sequences per rank and step of micro-batch 4 x grad_accum
     16, searched alike; each candidate sets train.micro_batch_size alone and its run derives train.grad_accum, and
@@ -455,7 +509,7 @@ def test_explain_memory_traces_each_mode_for_a_named_gpu_on_the_cpu(capsys, tmp_
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["usable_gb"] == round(memory.USABLE, 2) and out["world"] == 1
+    assert out["usable_gb"] == round(memory.USABLE, 2) and out["world"] == 1 and out["seconds"] < 120
     modes = out["modes"]
     assert list(modes) == list(memory.MODES)
     for m in modes.values():
@@ -463,7 +517,20 @@ def test_explain_memory_traces_each_mode_for_a_named_gpu_on_the_cpu(capsys, tmp_
         assert peaks[0] < peaks[1] < peaks[2], m
     saved = [modes[m]["saved_gb_per_sequence"] for m in memory.MODES]
     assert saved[0] > saved[1] >= saved[2] > 0, saved
-    assert not (tmp_path / "run").exists() and not (tmp_path / "run.tune").exists()  # nothing ran
+    assert not (tmp_path / "run").exists() and (tmp_path / "run.tune" / "traced.json").is_file()  # nothing ran
+    again = cli(
+        capsys, "explain", "--memory", "tiny", f"run.dir={tmp_path / 'run'}", "--gpu", "1", "--micro-batches", "64"
+    )
+    assert again.returncode == 0 and "traced none in" not in again.stdout  # the traces kept: none made again
+    assert abs(modes["none"]["peak_gb"]["64"] - memory_peak_in(again.stdout, 64, "none")) <= 0.05  # 1 decimal
+
+
+def memory_peak_in(text: str, micro_batch: int, mode: str) -> float:
+    """The peak of ``mode`` at ``micro_batch`` in explain --memory's printed table."""
+    header = next(line for line in text.splitlines() if line.startswith("| micro-batch |"))
+    column = [c.strip() for c in header.strip("|").split("|")].index(mode)
+    row = next(line for line in text.splitlines() if line.startswith(f"| {micro_batch} |"))
+    return float(row.strip("|").split("|")[column].split()[0])
 
 
 def test_a_gpu_that_is_not_known_exits_2_with_a_suggestion(capsys, tmp_path):
@@ -492,3 +559,18 @@ def test_the_walk_counts_a_view_once_frees_after_the_last_reader_and_keeps_outpu
     kept = _live(gm, scaling, set(), keep_outputs=False)
     assert kept == [(0, 20), (192, 0)]  # c freed once made: d is made with nothing else live
     assert _envelope([(0, 5), (10, 5), (10, 7), (20, 1)]) == [(10, 7), (20, 1)]
+
+
+def test_fit_predicts_its_peak_from_the_traces_explain_kept(tmp_path):
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"run.dir={tmp_path / 'run'}"])
+    cache = memory.work_dir(cfg) / "traced.json"
+    est = memory.traced_estimate(cfg, 1, 80 * GB, modes=("none",), cache=cache)
+    model = memory.model_on_meta(cfg, 256)
+    note = memory.startup_note(cfg, model, 1, 80 * GB)
+    assert note == (
+        f"memory: predicted peak {memory.size(est.peak('none', 32))} per rank of the {memory.size(0.89 * 80 * GB)} "
+        f"this GPU allows (micro-batch 32, train.activation_checkpointing=none; activations traced in "
+        f"{memory.work_dir(cfg)})"
+    )
+    longer = load_config(ROOT / "configs/tiny.yaml", [f"run.dir={tmp_path / 'run'}", "data.seq_len=64"])
+    assert memory.startup_note(longer, model, 1, 80 * GB) is None  # another step: not its trace

@@ -262,7 +262,7 @@ def _run(args) -> int:
     if args.command == "explain" and resume:
         raise ValueError("resume: not supported by explain")
     if args.command == "explain" and args.memory:
-        from trainer.tune import explain_memory
+        from trainer.explain_memory import explain_memory
 
         return explain_memory(
             args.config,

@@ -260,7 +260,26 @@ class Session:
         accum = derive_grad_accum(t.global_batch_size, t.micro_batch_size, self.dp) if self.derived else None
         self.per_rank = t.micro_batch_size * (accum or t.grad_accum)
         self.measured: list[Point] = []
+        self.skipped: list[list[str]] = []  # candidates planned but not measured for lack of budget
         self.capability: str | None = None  # the GPU's, e.g. "9.0", from the first candidate's plan.json
+
+    def trace(self) -> None:
+        """Each mode's activations from its traced step (:func:`memory.traced_estimate`, kept in the work dir's
+        ``traced.json``): the memory model without probes."""
+        started = time.monotonic()
+        cache = self.work / "traced.json"
+        try:
+            traced = memory.traced_estimate(self.cfg, self.world.size, None, cache=cache).traced
+        except Exception as e:  # a model Dynamo cannot capture whole, say: the probes measure it instead
+            if self.world.rank == 0:
+                console.warn(f"tune: the step could not be traced for its memory ({type(e).__name__}: {e}); "
+                             "each mode is probed instead")  # fmt: skip
+            return
+        # Gradients counted as a part throughout: a candidate below the per-rank batch accumulates (they exist
+        # from its first micro-batch), and one at it makes them in its backward, a little less at the peak.
+        self.estimate.traced, self.estimate.keep_grads = traced, False
+        if self.world.rank == 0:
+            self.say(f"tune: each mode's step traced for its memory ({time.monotonic() - started:.0f} s)")
 
     def measure(self, mode: str, micro_batch: int, extra: list[str] = ()) -> Point:
         """Run one candidate, record it (the estimate, ``measured.json``) and say how it went."""
@@ -329,6 +348,8 @@ def search(s: Session) -> None:
         if best is not None and cores > 1 and s.affords():  # torch's default is not always the fastest: measured
             s.measure(best.mode, best.micro_batch, [f"train.threads={cores // 2}"])
         return
+    if s.estimate.traced:
+        return planned_search(s, sizes)
     reached = 0  # the largest micro-batch a cheaper mode ran at
     for mode in MODES:
         if reached == max(sizes) or not s.affords():
@@ -353,7 +374,50 @@ def search(s: Session) -> None:
         return
     if cfg.train.precision != "fp8" and fp8_possible(s) and s.affords():
         s.measure(best.mode, best.micro_batch, ["train.precision=fp8"])
-    d = cfg.distributed
+    layouts(s, sizes)
+
+
+def planned_search(s: Session, sizes: list[int]) -> None:
+    """The search with each mode's traced memory: the config as given (which tells the device), then fp8 where the
+    GPU and torchao allow it, then in each mode the largest micro-batch predicted to fit where it is larger than
+    the cheaper modes' (recomputation pays only for a larger micro-batch), each one size smaller if it runs out of
+    memory; then the layouts (:func:`layouts`). What the budget leaves out is listed (``s.skipped``)."""
+    cfg, est = s.cfg, s.estimate
+    given = cfg.train.activation_checkpointing, cfg.train.micro_batch_size
+    s.measure(*given)
+    plan: list[tuple[str, int, list[str]]] = []
+    reached = 0
+    for mode in MODES:
+        b = est.largest(mode, [b for b in sizes if b > reached])
+        if b is not None:
+            plan.append((mode, b, []))
+            reached = b
+    if plan and cfg.train.precision != "fp8" and fp8_possible(s):
+        plan.insert(0, (*plan[0][:2], ["train.precision=fp8"]))
+    for i, (mode, b, extra) in enumerate(plan):
+        if not s.affords():
+            s.skipped += [[checkpointing(m), f"micro-batch {x}", *e] for m, x, e in plan[i:]]
+            break
+        if (mode, b) == given and not extra:
+            continue
+        while b is not None and s.measure(mode, b, extra).status == "out of memory":
+            b = max((x for x in sizes if x < b), default=None) if s.affords() else None
+    best = fastest(s.measured)
+    fp8 = next((p for p in s.measured if "train.precision=fp8" in p.overrides and p.status == "ok"), None)
+    if best is not None and fp8 is not None and best is not fp8 and s.affords():  # fp8 on the fastest in bf16
+        twin = next((p for p in s.measured if (p.mode, p.micro_batch) == (fp8.mode, fp8.micro_batch) and p is not fp8
+                     and p.status == "ok"), None)  # fmt: skip
+        if twin is None or fp8.tokens_per_s > twin.tokens_per_s:
+            s.measure(best.mode, best.micro_batch, ["train.precision=fp8"])
+    layouts(s, sizes)
+
+
+def layouts(s: Session, sizes: list[int]) -> None:
+    """On the fastest so far, under fsdp: every unit kept gathered into the backward, gradients reduced in bf16,
+    the mesh's other layouts; under ddp or fsdp, half and twice the bucket or unit size."""
+    d = s.cfg.distributed
+    if fastest(s.measured) is None:
+        return
     if s.world.size > 1 and d.strategy == "fsdp":
         if d.reshard_after_forward and s.affords():  # every unit kept gathered from its forward into its backward
             best = fastest(s.measured)
@@ -431,9 +495,9 @@ def fastest(points: list[Point]) -> Point | None:
     return max(ok, key=lambda p: p.tokens_per_s) if ok else None
 
 
-def table(points: list[Point], world: int = 1) -> str:
+def table(points: list[Point], world: int = 1, skipped: list[list[str]] = ()) -> str:
     """The candidates as a Markdown table: tok/s (of all ``world`` ranks), peak and predicted memory per rank,
-    status."""
+    status; then those ``skipped`` for lack of budget."""
     speed = "tok/s" if world == 1 else f"tok/s ({world} ranks)"
     lines = [f"| # | candidate | {speed} | peak GB | predicted GB | status |", "|---|---|---|---|---|---|"]
     best = fastest(points)
@@ -443,6 +507,8 @@ def table(points: list[Point], world: int = 1) -> str:
         pred = f"{p.predicted / GB:.1f}" if p.predicted else "-"
         status = "**fastest**" if p is best else p.status
         lines.append(f"| {i} | {' '.join(p.overrides)} | {tps} | {peak} | {pred} | {status} |")
+    for o in skipped:
+        lines.append(f"| - | {' '.join(o)} | - | - | - | skipped: no budget left |")
     return "\n".join(lines)
 
 
@@ -515,6 +581,8 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
             "tune: the global batch is one sequence per rank: only the checkpointing mode is searched "
             f"(raise {_batch_key(s)} to search larger micro-batches)"
         )
+    if on_cuda(s.cfg):
+        s.trace()
     search(s)
     if world.size > 1:
         import torch.distributed as dist
@@ -522,7 +590,7 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
         dist.destroy_process_group()
     if world.rank:
         return 0
-    say(table(s.measured, world.size))
+    say(table(s.measured, world.size, s.skipped))
     best = fastest(s.measured)
     if best is None:
         say("tune: no candidate ran; the log of each is in " + str(s.work / "runs"))
@@ -554,76 +622,6 @@ def _batch_key(s: Session) -> str:
     return "train.global_batch_size" if s.derived else "train.grad_accum"
 
 
-def explain_memory(
-    config: str,
-    overrides: list[str],
-    say=console.info,
-    gpu: str | None = None,
-    world: int | None = None,
-    micro_batches: list[int] | None = None,
-    as_json: bool = False,
-    measure: bool = False,
-) -> int:
-    """``trainer explain --memory``: the counted parts and each mode's traced step (:func:`memory.traced_estimate`),
-    for ``gpu`` (this one's memory by default) and ``world`` ranks; with ``measure``, each mode probed instead
-    (:func:`probe_modes`; on the CPU: one step in this process, its live tensor bytes counted)."""
-    cfg = load_config(config, overrides)
-    if not measure:
-        return _traced_memory(cfg, say, gpu, world, micro_batches, as_json)
-    b0 = cfg.train.micro_batch_size
-    if not on_cuda(cfg):
-        if World.from_env().rank:  # each rank's model is the same; rank 0 speaks
-            return 0
-        from trainer.memory.probe import cpu_estimate
-
-        est = cpu_estimate(cfg, b0)
-        say(
-            est.describe(
-                GRID,
-                f"memory on the CPU, counted, and probed at micro-batch {b0} (host memory is not "
-                "checked against a limit):",
-            )
-        )
-        return 0
-    world = World.from_env()
-    world.join()
-    s = Session(config, overrides, None, reuse=False, say=(lambda *_: None) if world.rank else say)
-    s.per_rank = None  # one micro-batch a step: the probes' sizes need not divide the global batch
-    probe_modes(s, b0)
-    if world.rank == 0:
-        say(s.estimate.describe(GRID, f"memory per rank of {world.size}, predicted:"))
-        say(prediction_table(s.estimate, [b for b in GRID if b >= b0][:12]))
-    return 0
-
-
-def _traced_memory(cfg, say, gpu: str | None, world: int | None, sizes: list[int] | None, as_json: bool) -> int:
-    import json
-
-    start = time.perf_counter()
-    world = world or World.from_env().size
-    if World.from_env().rank:  # each rank's prediction is the same; rank 0 speaks
-        return 0
-    if gpu is not None:
-        device_memory, named = memory.device_bytes(gpu), gpu
-    elif torch.cuda.is_available():
-        device_memory, named = torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
-    else:
-        device_memory, named = None, None
-    progress = None if as_json else say
-    est = memory.traced_estimate(cfg, world, device_memory, say=progress)
-    b0 = cfg.train.micro_batch_size
-    sizes = sizes or [b for b in GRID if b >= b0][:10]
-    on = f"{named} ({memory.size(device_memory)})" if named else "no GPU named (--gpu h100, h200 or a size in GB)"
-    text, result = memory.traced_report(est, sizes, f"memory per rank of {world}, {on}, predicted:")
-    result.update(gpu=named, world=world, seconds=round(time.perf_counter() - start, 1))
-    if as_json:
-        print(json.dumps(result, indent=1))
-    else:
-        say(text)
-        say(f"({result['seconds']} s; `--measure` measures short runs instead, on the GPU)")
-    return 0
-
-
 def probe_modes(s: Session, b0: int) -> None:
     """Two probes per mode: at ``b0``, then at the largest micro-batch of :data:`GRID` at most half the largest
     the first predicts to fit (a size near the limit, where the line must hold; a smaller one if it runs out of
@@ -636,16 +634,3 @@ def probe_modes(s: Session, b0: int) -> None:
             b1 = max((g for g in GRID if b0 < g < b1), default=None)
             if b1 is None:
                 break
-
-
-def prediction_table(est: Estimate, sizes: list[int]) -> str:
-    """Predicted peaks by mode and micro-batch (GB), a cell past the device's memory marked."""
-    lines = ["| micro-batch | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
-    for b in sizes:
-        cells = []
-        for mode in MODES:
-            peak = est.peak(mode, b)
-            over = est.capacity is not None and peak is not None and peak > est.capacity
-            cells.append("-" if peak is None else f"{peak / GB:.1f}" + (" (too large)" if over else ""))
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)

@@ -211,14 +211,23 @@ class Estimate:
     def peak(self, mode: str, micro_batch: int) -> float | None:
         """The predicted peak bytes of ``mode`` at ``micro_batch``: from the mode's measured points where it has
         them, else from its traced step; None with neither."""
-        f = self.fit(mode)
-        if f is not None:
+        source = self.source(mode)
+        if source == "measured":
+            f = self.fit(mode)
             return self.static + max(f[1] + micro_batch * f[0], self.transient[0])
-        traced = self.traced.get(mode)
-        if traced is None:
+        if source is None:
             return None
-        made = self.parts["gradients"][0] if self.keep_grads else 0.0  # counted in the traced backward instead
+        traced = self.traced[mode]
+        made = self.parts.get("gradients", (0.0, ""))[0] if self.keep_grads else 0.0  # in the traced backward
         return self.static - made + max(traced.activations(micro_batch, self.keep_grads), self.transient[0])
+
+    def source(self, mode: str) -> str | None:
+        """Where ``mode``'s activations come from: "measured" (its probes: a line through two of them beats the
+        trace; one, only without a trace), "traced", or None (neither)."""
+        sizes = {p.micro_batch for p in self.points if p.mode == mode and p.peak is not None}
+        if sizes and (mode not in self.traced or len(sizes) >= 2):
+            return "measured"
+        return "traced" if mode in self.traced else None
 
     def largest_fitting(self, mode: str, limit: int = 4096) -> int | None:
         """The largest micro-batch predicted to fit (None: none does, or unknown); the peak grows with it."""
@@ -310,9 +319,12 @@ def device_bytes(value: str) -> float:
     return gb * GB
 
 
-def traced_estimate(cfg: Config, world: int, device_memory: float | None, modes=MODES, say=None) -> Estimate:
+def traced_estimate(
+    cfg: Config, world: int, device_memory: float | None, modes=MODES, say=None, cache: Path | None = None
+) -> Estimate:
     """The estimate per rank of ``world`` on a CUDA device of ``device_memory`` bytes, each mode's activations from
-    its traced step (:mod:`trainer.memory.trace`), on this host."""
+    its traced step (:mod:`trainer.memory.trace`), on this host; ``cache`` (``traced.json``) keeps the traces of
+    each config and gives back those traced before."""
     from trainer.memory.trace import trace_mode
 
     vocab = _vocab_size(cfg)
@@ -327,11 +339,43 @@ def traced_estimate(cfg: Config, world: int, device_memory: float | None, modes=
         transient=step_transient(model, cfg, world, "cuda"),
         keep_grads=not accumulates and not strategy.fsdp,
     )
+    key = memory_key(cfg, 1)  # the trace is one rank's step: any world
+    known = load_traced(cache, key) if cache else {}
     for mode in modes:
+        if mode in known:
+            est.traced[mode] = known[mode]
+            continue
         est.traced[mode] = trace_mode(cfg, vocab, mode)
         if say:
             say(f"  traced {mode} in {est.traced[mode].seconds:.1f} s")
+        if cache:
+            save_traced(cache, key, est.traced[mode])
     return est
+
+
+def load_traced(path: Path, key: str) -> dict:
+    """The traced modes of ``path`` (``traced.json``) under ``key``: mode -> :class:`~trainer.memory.trace.Traced`."""
+    from trainer.memory.trace import Traced
+
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return {r["traced"]["mode"]: Traced.from_dict(r["traced"]) for r in rows if r.get("key") == key}
+
+
+def save_traced(path: Path, key: str, traced) -> None:
+    """Keep ``traced`` under ``key`` in ``path`` (replacing the same mode's; written whole, atomically)."""
+    from trainer.io import atomic_write_text
+
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        rows = []
+    rows = [r for r in rows if not (r.get("key") == key and r["traced"]["mode"] == traced.mode)]
+    rows.append({"key": key, "traced": traced.to_dict()})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(path), json.dumps(rows) + "\n")
 
 
 def traced_report(est: Estimate, sizes: list[int], title: str) -> tuple[str, dict]:
@@ -456,9 +500,9 @@ def say_startup_note(cfg: Config, model: nn.Module, world: int, device_memory: i
 
 def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int | None) -> str | None:
     """The line ``trainer fit`` prints before step 1 (None on the CPU): the predicted peak per rank against what the
-    device allows, with a warning when it exceeds it. The activations come from the measurements of ``trainer
-    explain --memory`` or ``trainer tune`` of this config (``<run.dir>.tune/measured.json``); without them only
-    the counted parts are checked."""
+    device allows, with a warning when it exceeds it. The activations come from the traces of ``trainer explain
+    --memory`` or ``trainer tune`` of this config (``<run.dir>.tune/traced.json``) or their measurements
+    (``measured.json``); without them only the counted parts are checked."""
     if device_memory is None:
         return None
     est = Estimate(
@@ -468,7 +512,11 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
         transient=step_transient(model, cfg, world, "cuda"),
     )
     est.points = load_points(work_dir(cfg) / "measured.json", memory_key(cfg, world))
-    t = cfg.train
+    est.traced = load_traced(work_dir(cfg) / "traced.json", memory_key(cfg, 1))
+    t, strategy = cfg.train, _strategy(cfg, world)
+    per_rank = t.global_batch_size // strategy.dp_ranks if t.global_batch_size else None
+    accumulates = t.grad_accum > 1 if per_rank is None else per_rank > t.micro_batch_size
+    est.keep_grads = not accumulates and not strategy.fsdp
     mode, b = t.activation_checkpointing, t.micro_batch_size
     peak = est.peak(mode, b)
     if peak is None:
@@ -479,9 +527,10 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
             f"rank, more than the {size(est.capacity)} this GPU allows ({USABLE:.0%} of its memory); shard "
             "them: distributed.strategy=fsdp over more GPUs"
         )
+    how = est.source(mode)
     said = (
         f"memory: predicted peak {size(peak)} per rank of the {size(est.capacity)} this GPU allows (micro-batch "
-        f"{b}, train.activation_checkpointing={mode}; activations measured in {work_dir(cfg)})"
+        f"{b}, train.activation_checkpointing={mode}; activations {how} in {work_dir(cfg)})"
     )
     if peak <= est.capacity:
         return said

@@ -83,7 +83,7 @@ class Traced:
 
     @classmethod
     def from_dict(cls, d: dict) -> Traced:
-        walks = {k: Walk(**{f: [tuple(x) for x in v] if isinstance(v, list) else tuple(v) for f, v in d[k].items()})
+        walks = {k: Walk(**{f: tuple(v) if f == "saved" else [tuple(x) for x in v] for f, v in d[k].items()})
                  for k in ("one", "two") if d.get(k)}  # fmt: skip
         return cls(d["mode"], d["blocks"], walks["one"], walks.get("two"), d.get("seconds", 0.0))
 
