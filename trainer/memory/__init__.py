@@ -339,18 +339,23 @@ def traced_estimate(
         transient=step_transient(model, cfg, world, "cuda"),
         keep_grads=not accumulates and not strategy.fsdp,
     )
-    key = memory_key(cfg, 1)  # the trace is one rank's step: any world
+    key = traced_key(cfg, world)
     known = load_traced(cache, key) if cache else {}
     for mode in modes:
         if mode in known:
             est.traced[mode] = known[mode]
             continue
-        est.traced[mode] = trace_mode(cfg, vocab, mode)
+        est.traced[mode] = trace_mode(cfg, vocab, mode, sharded=strategy.fsdp)
         if say:
             say(f"  traced {mode} in {est.traced[mode].seconds:.1f} s")
         if cache:
             save_traced(cache, key, est.traced[mode])
     return est
+
+
+def traced_key(cfg: Config, world: int) -> str:
+    """What a traced step depends on: :func:`memory_key` at world 1 (one rank's step), and whether it is sharded."""
+    return memory_key(cfg, 1) + (" fsdp" if _strategy(cfg, world).fsdp else "")
 
 
 def load_traced(path: Path, key: str) -> dict:
@@ -512,7 +517,7 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
         transient=step_transient(model, cfg, world, "cuda"),
     )
     est.points = load_points(work_dir(cfg) / "measured.json", memory_key(cfg, world))
-    est.traced = load_traced(work_dir(cfg) / "traced.json", memory_key(cfg, 1))
+    est.traced = load_traced(work_dir(cfg) / "traced.json", traced_key(cfg, world))
     t, strategy = cfg.train, _strategy(cfg, world)
     per_rank = t.global_batch_size // strategy.dp_ranks if t.global_batch_size else None
     accumulates = t.grad_accum > 1 if per_rank is None else per_rank > t.micro_batch_size

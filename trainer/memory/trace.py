@@ -92,9 +92,10 @@ class _Captured(Exception):
     """Raised by the capture's compiler once the partitioned graphs are in hand: nothing is compiled or run."""
 
 
-def trace_mode(cfg: Config, vocab_size: int, mode: str, device_type: str = "cuda") -> Traced:
+def trace_mode(cfg: Config, vocab_size: int, mode: str, device_type: str = "cuda", sharded: bool = False) -> Traced:
     """:class:`Traced` for ``train.activation_checkpointing=mode`` of ``cfg``'s model and step as they would run on
-    ``device_type``, traced on the host."""
+    ``device_type``, traced on the host. ``sharded``: under fsdp on several ranks, whose blocks compute with the
+    gathered parameters in ``distributed.param_dtype`` (counted as a part): no cast of them is made or saved."""
     import time
 
     from trainer.models.blocks import find_blocks
@@ -107,9 +108,10 @@ def trace_mode(cfg: Config, vocab_size: int, mode: str, device_type: str = "cuda
     except ValueError:
         blocks = 0
     if blocks >= 3:
-        walks = [_walk(cfg, vocab_size, mode, device_type, depth) for depth in (1, 2)]
+        walks = [_walk(cfg, vocab_size, mode, device_type, depth, sharded) for depth in (1, 2)]
         return Traced(mode, blocks, walks[0], walks[1], seconds=time.perf_counter() - start)
-    return Traced(mode, blocks, _walk(cfg, vocab_size, mode, device_type, None), seconds=time.perf_counter() - start)
+    whole = _walk(cfg, vocab_size, mode, device_type, None, sharded)
+    return Traced(mode, blocks, whole, seconds=time.perf_counter() - start)
 
 
 def _build(cfg: Config, vocab_size: int) -> nn.Module:
@@ -119,9 +121,9 @@ def _build(cfg: Config, vocab_size: int) -> nn.Module:
         return build_model_of(cfg, vocab_size, pretrained=False)
 
 
-def _model(cfg: Config, vocab_size: int, depth: int | None) -> nn.Module:
+def _model(cfg: Config, vocab_size: int, depth: int | None, sharded: bool = False) -> nn.Module:
     """The model with ``depth`` of its blocks (None: all), its parameters empty host tensors, shared ones still
-    shared (a tied head)."""
+    shared (a tied head); ``sharded``: in fsdp's ``distributed.param_dtype``."""
     from trainer.build import master_weights
     from trainer.models.blocks import find_blocks
 
@@ -138,11 +140,17 @@ def _model(cfg: Config, vocab_size: int, depth: int | None) -> nn.Module:
         first = getattr(*places[0])
         for m, name in places[1:]:
             setattr(m, name, first)
+    if sharded:
+        from trainer.distributed.fsdp import DTYPES
+        from trainer.plan import param_dtype, precision
+
+        compute = param_dtype(cfg.distributed.param_dtype, precision(cfg.train.precision, torch.device("cuda")))
+        return model.to(DTYPES[compute])
     return master_weights(model, cfg)
 
 
-def _walk(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: int | None) -> Walk:
-    fw, bw = _capture(cfg, vocab_size, mode, device_type, depth)
+def _walk(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: int | None, sharded: bool) -> Walk:
+    fw, bw = _capture(cfg, vocab_size, mode, device_type, depth, sharded)
     B, T = TRACE_BATCH, cfg.data.seq_len
     tokens = {n.name for n in fw.graph.nodes if n.op == "placeholder" and _is_tokens(n, B, T)}
     fw_scaling = _scaling(fw, tokens, B, T)
@@ -162,7 +170,7 @@ def _walk(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: int 
     )
 
 
-def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: int | None):
+def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: int | None, sharded: bool):
     """The partitioned forward and backward graphs of the step of ``cfg`` at micro-batch :data:`TRACE_BATCH`."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -191,7 +199,7 @@ def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: i
     aot = aot_autograd(fw_compiler=stop, bw_compiler=stop, partition_fn=partition, decompositions=select_decomp_table())
     kernels = resolve_kernels(cfg.compile.kernels, device_type)
     backend = substituting(aot, kernels, KernelLog())  # a log of its own: the run's report is not this trace's
-    model = _model(cfg, vocab_size, depth)
+    model = _model(cfg, vocab_size, depth, sharded)
     with console.quiet():
         build.checkpoint_activations(model, plan)
     tokens = torch.zeros(TRACE_BATCH, cfg.data.seq_len, dtype=torch.long)
