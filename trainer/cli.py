@@ -251,12 +251,10 @@ def _run(args) -> int:
         from trainer.sample import main as sample
 
         return sample(args)
-    if getattr(args, "json", False):  # stdout is the JSON alone: the config's line goes to stderr
-        import contextlib
+    import contextlib
 
-        with contextlib.redirect_stdout(sys.stderr):
-            given, args.config = args.config, _config_file(args.config)
-    else:
+    json_alone = getattr(args, "json", False)  # stdout is the JSON alone: the config's line goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if json_alone else contextlib.nullcontext():
         given, args.config = args.config, _config_file(args.config)
     overrides, resume = _split_resume(args.overrides)
     if args.command == "explain" and resume:

@@ -10,7 +10,7 @@ import torch
 
 from trainer import console, memory
 from trainer.config import load_config
-from trainer.memory import GB, MODES, Estimate, work_dir
+from trainer.memory import work_dir
 from trainer.tune import GRID, Session, World, on_cuda, probe_modes
 
 
@@ -52,7 +52,7 @@ def explain_memory(
     probe_modes(s, b0)
     if world.rank == 0:
         say(s.estimate.describe(GRID, f"memory per rank of {world.size}, predicted:"))
-        say(prediction_table(s.estimate, [b for b in GRID if b >= b0][:12]))
+        say(memory.peak_table(s.estimate, [b for b in GRID if b >= b0][:12]))
     return 0
 
 
@@ -89,16 +89,3 @@ def _traced_memory(cfg, say, gpu: str | None, world: int | None, sizes: list[int
         say(text)
         say(f"({result['seconds']} s; `--measure` measures short runs instead, on the GPU)")
     return 0
-
-
-def prediction_table(est: Estimate, sizes: list[int]) -> str:
-    """Predicted peaks by mode and micro-batch (GB), a cell past the device's memory marked."""
-    lines = ["| micro-batch | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
-    for b in sizes:
-        cells = []
-        for mode in MODES:
-            peak = est.peak(mode, b)
-            over = est.capacity is not None and peak is not None and peak > est.capacity
-            cells.append("-" if peak is None else f"{peak / GB:.1f}" + (" (too large)" if over else ""))
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)

@@ -329,15 +329,12 @@ def traced_estimate(
 
     vocab = _vocab_size(cfg)
     model = model_on_meta(cfg, vocab)
-    t, strategy = cfg.train, _strategy(cfg, world)
-    per_rank = t.global_batch_size // strategy.dp_ranks if t.global_batch_size else None
-    accumulates = t.grad_accum > 1 if per_rank is None else per_rank > t.micro_batch_size
     est = Estimate(
         static_parts(model, cfg, world, "cuda"),
         cfg.data.seq_len,
         None if device_memory is None else USABLE * device_memory,
         transient=step_transient(model, cfg, world, "cuda"),
-        keep_grads=not accumulates and not strategy.fsdp,
+        keep_grads=grads_made_in_backward(cfg, world),
     )
     key = traced_key(cfg, world)
     known = load_traced(cache, key) if cache else {}
@@ -345,12 +342,21 @@ def traced_estimate(
         if mode in known:
             est.traced[mode] = known[mode]
             continue
-        est.traced[mode] = trace_mode(cfg, vocab, mode, sharded=strategy.fsdp)
+        est.traced[mode] = trace_mode(cfg, vocab, mode, sharded=_strategy(cfg, world).fsdp)
         if say:
             say(f"  traced {mode} in {est.traced[mode].seconds:.1f} s")
         if cache:
             save_traced(cache, key, est.traced[mode])
     return est
+
+
+def grads_made_in_backward(cfg: Config, world: int) -> bool:
+    """Whether the step's backward makes the gradients (one micro-batch a step, not fsdp), so that they are not live
+    before it; else they exist from the first micro-batch on (accumulation) or are reduced to shards as made."""
+    t, strategy = cfg.train, _strategy(cfg, world)
+    per_rank = t.global_batch_size // strategy.dp_ranks if t.global_batch_size else None
+    accumulates = t.grad_accum > 1 if per_rank is None else per_rank > t.micro_batch_size
+    return not accumulates and not strategy.fsdp
 
 
 def traced_key(cfg: Config, world: int) -> str:
@@ -362,25 +368,13 @@ def load_traced(path: Path, key: str) -> dict:
     """The traced modes of ``path`` (``traced.json``) under ``key``: mode -> :class:`~trainer.memory.trace.Traced`."""
     from trainer.memory.trace import Traced
 
-    try:
-        rows = json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-    return {r["traced"]["mode"]: Traced.from_dict(r["traced"]) for r in rows if r.get("key") == key}
+    return {r["traced"]["mode"]: Traced.from_dict(r["traced"]) for r in _rows(path) if r.get("key") == key}
 
 
 def save_traced(path: Path, key: str, traced) -> None:
     """Keep ``traced`` under ``key`` in ``path`` (replacing the same mode's; written whole, atomically)."""
-    from trainer.io import atomic_write_text
-
-    try:
-        rows = json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        rows = []
-    rows = [r for r in rows if not (r.get("key") == key and r["traced"]["mode"] == traced.mode)]
-    rows.append({"key": key, "traced": traced.to_dict()})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(path), json.dumps(rows) + "\n")
+    rows = [r for r in _rows(path) if not (r.get("key") == key and r["traced"]["mode"] == traced.mode)]
+    _write_rows(path, [*rows, {"key": key, "traced": traced.to_dict()}], indent=None)
 
 
 def traced_report(est: Estimate, sizes: list[int], title: str) -> tuple[str, dict]:
@@ -408,20 +402,26 @@ def traced_report(est: Estimate, sizes: list[int], title: str) -> tuple[str, dic
             "trace_s": round(traced.seconds, 1),
         }
     lines.append("predicted peak per rank (GB):")
-    lines.append("| micro-batch | " + " | ".join(est.traced) + " |")
-    lines.append("|---" * (len(est.traced) + 1) + "|")
-    for b in sizes:
-        cells = []
-        for mode in est.traced:
-            peak = est.peak(mode, b)
-            cells.append(f"{peak / GB:.1f}" + (" (too large)" if est.capacity and peak > est.capacity else ""))
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    lines.append(peak_table(est, sizes, list(est.traced)))
     result = {
         "usable_gb": None if est.capacity is None else round(est.capacity / GB, 2),
         "parts_gb": {k: round(b / GB, 3) for k, (b, _) in est.parts.items()},
         "modes": modes,
     }
     return "\n".join(lines), result
+
+
+def peak_table(est: Estimate, sizes: list[int], modes=MODES) -> str:
+    """Predicted peaks by mode and micro-batch (GB), a cell past the device's memory marked."""
+    lines = ["| micro-batch | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for b in sizes:
+        cells = []
+        for mode in modes:
+            peak = est.peak(mode, b)
+            over = est.capacity is not None and peak is not None and peak > est.capacity
+            cells.append("-" if peak is None else f"{peak / GB:.1f}" + (" (too large)" if over else ""))
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _vocab_size(cfg: Config) -> int | None:
@@ -474,24 +474,27 @@ def work_dir(cfg: Config) -> Path:
 
 def load_points(path: Path, key: str) -> list[Point]:
     """The measured points of ``path`` (``measured.json``) whose key is ``key``."""
-    try:
-        rows = json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
-    return [Point(**r["point"]) for r in rows if r.get("key") == key]
+    return [Point(**r["point"]) for r in _rows(path) if r.get("key") == key]
 
 
 def save_point(path: Path, key: str, point: Point) -> None:
     """Append ``point`` under ``key`` to ``path`` (written whole, atomically)."""
+    _write_rows(path, [*_rows(path), {"key": key, "point": dataclasses.asdict(point)}])
+
+
+def _rows(path: Path) -> list[dict]:
+    """The keyed rows of a work-dir file (``measured.json``, ``traced.json``); none if it is missing or torn."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def _write_rows(path: Path, rows: list[dict], indent: int | None = 1) -> None:
     from trainer.io import atomic_write_text
 
-    try:
-        rows = json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        rows = []
-    rows.append({"key": key, "point": dataclasses.asdict(point)})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(path), json.dumps(rows, indent=1) + "\n")
+    atomic_write_text(Path(path), json.dumps(rows, indent=indent) + "\n")
 
 
 def say_startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int | None) -> None:
@@ -518,10 +521,8 @@ def startup_note(cfg: Config, model: nn.Module, world: int, device_memory: int |
     )
     est.points = load_points(work_dir(cfg) / "measured.json", memory_key(cfg, world))
     est.traced = load_traced(work_dir(cfg) / "traced.json", traced_key(cfg, world))
-    t, strategy = cfg.train, _strategy(cfg, world)
-    per_rank = t.global_batch_size // strategy.dp_ranks if t.global_batch_size else None
-    accumulates = t.grad_accum > 1 if per_rank is None else per_rank > t.micro_batch_size
-    est.keep_grads = not accumulates and not strategy.fsdp
+    est.keep_grads = grads_made_in_backward(cfg, world)
+    t = cfg.train
     mode, b = t.activation_checkpointing, t.micro_batch_size
     peak = est.peak(mode, b)
     if peak is None:
