@@ -1,0 +1,187 @@
+"""The candidate runs of ``trainer tune`` and ``trainer explain --memory --measure``: where the tune process stands
+under torchrun (:class:`World`), and a candidate's ``trainer fit`` in child processes, measured (:class:`Runner`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer import console
+from trainer.memory import GB, Point
+from trainer.plot import read_metrics
+
+STEPS, LOG_EVERY = 8, 4  # a candidate's run: rows at 4 (compile; the graph's capture at the 4th step) and 8 (steady)
+CHILD_ENV_DROP = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@dataclass
+class World:
+    """The tune process's place under torchrun (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        e = os.environ
+        return cls(
+            int(e.get("RANK", 0)),
+            int(e.get("WORLD_SIZE", 1)),
+            int(e.get("LOCAL_RANK", 0)),
+            int(e.get("LOCAL_WORLD_SIZE", 1)),
+            int(e.get("GROUP_RANK", 0)),
+        )
+
+    def join(self) -> None:
+        """The tune processes' own gloo group, under torchrun (nothing for one process)."""
+        if self.size > 1:
+            from trainer.distributed.env import coordination_group
+
+            coordination_group()
+
+    def broadcast(self, obj):
+        """``obj`` of rank 0, on every rank (the tune processes' own gloo group)."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+@dataclass
+class Runner:
+    """Runs candidates: ``trainer fit CONFIG *overrides *candidate`` for :data:`STEPS` steps in the work dir."""
+
+    config: str
+    overrides: list[str]
+    work: Path
+    world: World = field(default_factory=World)
+    deadline: float | None = None  # time.monotonic() past which a running candidate is stopped
+    say: object = console.info
+    steps: int = STEPS
+    log_every: int = LOG_EVERY
+
+    def run(self, mode: str, micro_batch: int, overrides: list[str], predicted: float | None = None) -> Point:
+        """One candidate's measurement (on rank 0; the other ranks' copies carry no numbers)."""
+        slug = "_".join(o.split("=", 1)[1].replace("/", "-") for o in overrides) or "as-given"
+        run_dir = self.work / "runs" / slug
+        forced = [
+            f"train.steps={self.steps + 1}",
+            f"train.stop_at={self.steps}",
+            "train.eval_every=0",
+            "checkpoint.enabled=false",
+            f"log.every={self.log_every}",
+            "log.progress=false",
+            f"run.dir={run_dir}",
+            f"compile.cache_dir={self.work / 'compile_cache'}",
+        ]
+        args = ["fit", self.config, *self.overrides, *overrides, *forced]
+        port = self.world.broadcast(_free_port() if self.world.rank == 0 else None)
+        started = time.monotonic()
+        code = None
+        if self.world.local_rank == 0:
+            if self.world.rank == 0:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            code = self._launch(args, port, run_dir.with_suffix(f".{self.world.node_rank}.log"))
+        codes = self._gather(code)
+        seconds = time.monotonic() - started
+        point = Point(mode, micro_batch, None, overrides=overrides)
+        if self.world.rank != 0:
+            return point
+        log_file = run_dir.with_suffix(".0.log")
+        log = log_file.read_text(errors="replace") if log_file.exists() else ""
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+        tps = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
+        peaks = [r["peak_mem_gb"] for r in rows if r.get("peak_mem_gb") is not None]
+        if any(c == "budget" for c in codes):
+            point.status = "stopped: budget"
+        elif any(codes) and ("OutOfMemoryError" in log or "out of memory" in log.lower()):
+            point.status = "out of memory"
+        elif any(codes) or not tps:
+            last = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+            point.status = f"failed (exit {next((c for c in codes if c), 0)}): {last[0][:120]}"
+        else:
+            point.tokens_per_s, point.peak = tps[-1], (max(peaks) * GB if peaks else None)
+        point.seconds, point.predicted = round(seconds, 1), predicted
+        return point
+
+    def _launch(self, args: list[str], port: int, log: Path) -> int | str:
+        """This node's part of a candidate: its exit code, or "budget" once stopped at the deadline."""
+        env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP and not k.startswith("TORCHELASTIC")}
+        if self.world.size > 1:
+            nnodes = self.world.size // self.world.local_size
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nnodes}",
+                f"--nproc-per-node={self.world.local_size}",
+                f"--node-rank={self.world.node_rank}",
+                f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
+                f"--master-port={port}",
+                "-m",
+                "trainer",
+                *args,
+            ]
+        else:
+            cmd = [sys.executable, "-m", "trainer", *args]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                timeout = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 15)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                return "budget"
+
+    def _gather(self, code):
+        if self.world.size == 1:
+            return [code]
+        import torch.distributed as dist
+
+        codes = [None] * self.world.size
+        dist.all_gather_object(codes, code)
+        return [c for c in codes if c is not None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def plan_facts(work: Path) -> dict:
+    """plan.json of the latest candidate run that wrote one: the device's memory and capability."""
+    import json
+
+    plans = sorted((work / "runs").glob("*/plan.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(plans[-1].read_text()) if plans else {}
