@@ -40,13 +40,19 @@ class Codec:
     eos_id: int | None
     tokenizer = None
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """The ids of each text, no special tokens added."""
+    def encode_batch(self, texts: list[str], special: bool = False) -> list[list[int]]:
+        """The ids of each text, no special tokens added.
+
+        Args:
+            texts: the texts.
+            special: read a special token's string in the text (``<|im_end|>``) as that token, as a rendered chat
+                template is read; by default it is split like any other text.
+        """
         raise NotImplementedError
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, no special tokens added."""
-        return self.encode_batch([text])[0]
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """The ids of ``text``, no special tokens added (``special`` as for ``encode_batch``)."""
+        return self.encode_batch([text], special)[0]
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids``; bytes that are not valid UTF-8 become U+FFFD."""
@@ -67,7 +73,7 @@ class ByteCodec(Codec):
 
     name, vocab_size, eos_id = "bytes", BYTE_VOCAB, None
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], special: bool = False) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
@@ -80,7 +86,8 @@ class TokenizersCodec(Codec):
     """A Hugging Face ``tokenizers.Tokenizer``.
 
     Text is encoded as plain text: a special token's string inside a document (``<|endoftext|>`` in a file
-    about tokenizers) is split like any other text, so only the EOS written between documents is EOS.
+    about tokenizers) is split like any other text, so only the EOS written between documents is EOS; only a
+    rendered chat template is encoded with ``special=True``.
     """
 
     def __init__(self, tokenizer, name: str, eos_id: int | None):
@@ -89,8 +96,12 @@ class TokenizersCodec(Codec):
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str], special: bool = False) -> list[list[int]]:
+        self.tokenizer.encode_special_tokens = not special
+        try:
+            return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        finally:
+            self.tokenizer.encode_special_tokens = True
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -103,7 +114,9 @@ class TiktokenCodec(Codec):
         self.encoding, self.name = encoding, name
         self.vocab_size, self.eos_id = encoding.n_vocab, encoding.eot_token
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], special: bool = False) -> list[list[int]]:
+        if special:
+            return self.encoding.encode_batch(texts, num_threads=1, allowed_special="all", disallowed_special=())
         return self.encoding.encode_ordinary_batch(texts, num_threads=1)
 
     def decode(self, ids: list[int]) -> str:
@@ -126,12 +139,13 @@ def parse_bpe(spec: str) -> int | None:
     return int(n)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> Codec:
+def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...] = ()) -> Codec:
     """Train a byte-level BPE (GPT-2's pre-tokenizer and decoder) on ``texts``, offline and deterministically.
 
     Args:
         texts: the training documents.
         vocab_size: the vocabulary size, ``<|endoftext|>`` (id 0, the EOS) and the 256 bytes included.
+        special_tokens: further special tokens (a chat template's ``<|im_start|>``), ids 1, 2, ... in this order.
 
     Returns:
         A codec named ``bpe:<vocab_size>``; its vocabulary may come out smaller when the texts hold fewer merges.
@@ -143,7 +157,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Codec:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
+        special_tokens=list(dict.fromkeys([EOS_TOKEN, *special_tokens])),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
