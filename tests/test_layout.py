@@ -9,7 +9,7 @@ PACKAGE = ROOT / "trainer"
 
 LAYERS = (
     ("base", ("trainer.io", "trainer.shipped", "trainer.codec", "trainer.data", "trainer.console", "trainer.threads",
-              "trainer.errors", "trainer.faults", "trainer.startup")),
+              "trainer.errors", "trainer.faults", "trainer.startup", "trainer.chat")),
     ("ops", ("trainer.ops",)),
     ("models", ("trainer.models",)),
     ("precision", ("trainer.precision",)),
@@ -20,7 +20,8 @@ LAYERS = (
     ("run", ("trainer.plan", "trainer.step", "trainer.checkpoint", "trainer.metrics")),
     ("assembly", ("trainer.build", "trainer.describe", "trainer.memory")),
     ("app", ("trainer", "trainer.__main__", "trainer.loop", "trainer.cli", "trainer.tune_runs", "trainer.tune",
-             "trainer.explain_memory", "trainer.sample", "trainer.prepare", "trainer.plot")),
+             "trainer.explain_memory", "trainer.sample", "trainer.prepare", "trainer.instruct", "trainer.sources",
+             "trainer.plot")),
 )  # fmt: skip
 """The layers, bottom first: a module imports only from its own layer and the layers below it, at module level or
 inside a function alike. Why this order (docs/architecture.md has the table):

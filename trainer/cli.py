@@ -128,8 +128,8 @@ def _parser() -> argparse.ArgumentParser:
         "sources",
         nargs="*",
         metavar="SOURCE",
-        help="text files, directories of them, .jsonl, .parquet, or hf:NAME (a Hugging Face dataset); "
-        "none: the embedded corpus",
+        help="text files, directories of them, .jsonl, .parquet, hf:NAME (a Hugging Face dataset), or "
+        "stdlib:functions (chat records made from the standard library); none: the embedded corpus",
     )
     pr.add_argument(
         "--tokenizer",
@@ -145,6 +145,30 @@ def _parser() -> argparse.ArgumentParser:
     workers = _number(int, "a positive number of processes", least=1)
     pr.add_argument("--workers", type=workers, default=None, help="tokenizer processes (default: the CPU count)")
     pr.add_argument("--force", action="store_true", help="replace DIR if it holds a prepared corpus")
+    pr.add_argument(
+        "--format",
+        choices=("auto", "text", "chat", "completion"),
+        default="auto",
+        help="records: text (--field), chat (messages of role and content) or completion (prompt and completion); "
+        "auto: what each source's first record holds (default auto)",
+    )
+    pr.add_argument(
+        "--train-on",
+        choices=("completion", "all"),
+        default=None,
+        help="the tokens of chat and completion data a model is trained to predict: the assistant turns or the "
+        "completion, or all (default completion)",
+    )
+    pr.add_argument(
+        "--chat-template",
+        metavar="PATH",
+        help="a .jinja chat template (default: the tokenizer's chat_template.jinja or tokenizer_config.json, "
+        "else ChatML)",
+    )
+    length = _number(int, "a positive number of tokens", least=1)
+    pr.add_argument(
+        "--seq-len", type=length, metavar="N", help="say how many chat or completion documents are longer than N tokens"
+    )
     sa = sub.add_parser("sample", help="generate text from a run's last checkpoint")
     sa.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.yaml and checkpoints/)")
     sa.add_argument("--prompt", default="", help="text to continue (default: none, start from EOS / a newline)")

@@ -5,6 +5,9 @@ Documents come from text files (one document per file), directories of them, ``.
 library's files). Each document goes to val.bin or train.bin by a hash of its (source, index), so the split
 is the same for any worker count; its tokens are followed by the tokenizer's EOS.
 
+Records with ``messages`` (chat) or ``prompt`` and ``completion`` are instruction data, written with a loss mask
+and document offsets besides (:mod:`trainer.instruct`); ``stdlib:functions`` is an embedded source of them.
+
 Everything is written into a sibling ``DIR.tmp-<pid>`` and renamed into place at the end, so a prepare that
 is killed leaves nothing under DIR.
 """
@@ -28,34 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer import console
+from trainer import chat, console, instruct
 from trainer.codec import Codec, load_tokenizer, parse_bpe, train_bpe
 from trainer.io import pid_alive
+from trainer.sources import Source, common_format, documents, record_keys, resolve_sources, rows, source_sha256
 
 META_FORMAT = 1
 CHUNK_CHARS = 1 << 20  # text per worker task: large enough to amortize the pickling, small enough to stream
 _IN_FLIGHT_PER_WORKER = 2
-
-
-@dataclass
-class Part:
-    """One readable unit of a source: a file, a Hugging Face dataset, or one file of the embedded corpus.
-
-    ``key`` names its documents in the split hash; ``kind`` is text, jsonl, parquet, hf or stdlib.
-    """
-
-    key: str
-    kind: str
-    path: Path | None = None
-    dataset: object = None
-
-
-@dataclass
-class Source:
-    """A SOURCE argument (or the embedded corpus) and the parts it reads."""
-
-    path: str
-    parts: list[Part]
 
 
 def main(args) -> int:
@@ -69,8 +52,11 @@ def main(args) -> int:
     _check_out(out, args.force)
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers  # the parser checked the flags' ranges
     bpe_size = parse_bpe(args.tokenizer)
-    codec = None if bpe_size else _check_eos(load_tokenizer(args.tokenizer), args.tokenizer)
-    sources = resolve_sources(args.sources, args.field, out)
+    codec = None if bpe_size else load_tokenizer(args.tokenizer)
+    sources = resolve_sources(args.sources, args.field, out, args.format, workers)
+    plan = _plan(args, common_format(sources))
+    if codec is not None and (plan is None or plan.format == "completion"):  # EOS ends a text or a completion
+        _check_eos(codec, args.tokenizer)
     split = plan_split(sources, args.val_fraction)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     _remove_stale_tmp(out)
@@ -78,16 +64,41 @@ def main(args) -> int:
     try:
         with _progress() as progress:
             if bpe_size:
-                codec = _train(sources, split, bpe_size, args.field, progress)
-            stats = tokenize(sources, split, codec, args.field, tmp, workers, progress)
-        meta = _meta(args, codec, stats, sources, split)
-        _write_meta(tmp, codec, meta)
+                codec = _train(sources, split, bpe_size, args.field, progress, plan)
+            if plan is not None:
+                _complete_plan(plan, codec)
+            stats = tokenize(sources, split, codec, args.field, tmp, workers, progress, plan)
+        meta = _meta(args, codec, stats, sources, split, plan)
+        _write_meta(tmp, codec, meta, plan)
         _commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _summary(meta, time.perf_counter() - start, out)
+    _summary(meta, time.perf_counter() - start, out, stats, args.seq_len)
     return 0
+
+
+def _plan(args, fmt: str | None) -> instruct.Plan | None:
+    """How instruction records become tokens; None for text. Flags that cannot take effect are named once."""
+    text = fmt in (None, "text")
+    unused = {"--train-on": text and args.train_on, "--seq-len": text and args.seq_len}
+    unused["--chat-template"] = fmt != "chat" and args.chat_template
+    for flag, value in unused.items():
+        if value:
+            console.warn(f"{flag} has no effect on {fmt or 'text'} data")
+    if text:
+        return None
+    template, variables = chat.load_template(args.tokenizer, args.chat_template) if fmt == "chat" else (None, {})
+    if template is not None:
+        chat.compile_template(template)  # a template that does not parse fails here, before any work
+    return instruct.Plan(fmt, args.train_on or "completion", template, variables)
+
+
+def _complete_plan(plan: instruct.Plan, codec: Codec) -> None:
+    """What the plan takes from the codec: the EOS id, and the EOS string where the tokenizer's config named none."""
+    plan.eos_id = codec.eos_id
+    if "eos_token" not in plan.variables and codec.eos_id is not None and codec.tokenizer is not None:
+        plan.variables["eos_token"] = codec.tokenizer.id_to_token(codec.eos_id)
 
 
 # ---- the output directory ----------------------------------------------------------------------------------
@@ -124,196 +135,6 @@ def _commit(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
 
 
-# ---- sources -----------------------------------------------------------------------------------------------
-
-
-def resolve_sources(specs: list[str], field: str, out: Path | None = None) -> list[Source]:
-    """The sources of the SOURCE arguments (none: the embedded corpus), checked before any work starts.
-
-    A directory's walk leaves out ``out`` (and its temporary siblings), the directory being written.
-
-    Raises:
-        FileNotFoundError: a source that does not exist.
-        ValueError: an empty directory, a missing --field, or a format whose package is not installed.
-    """
-    if not specs:
-        return [_stdlib_source()]
-    return [_resolve(spec, field, out) for spec in specs]
-
-
-def _stdlib_source() -> Source:
-    import sysconfig
-
-    from trainer.data import stdlib_files
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts = [Part(f.relative_to(root).as_posix(), "stdlib", f) for f in stdlib_files()]
-    return Source(str(root), parts)
-
-
-def _resolve(spec: str, field: str, out: Path | None) -> Source:
-    if spec.startswith("hf:"):
-        return Source(spec, [_hf_part(spec, spec[3:], field)])
-    p = Path(spec)
-    if not p.exists():
-        raise FileNotFoundError(f"source {spec}: no such file or directory")
-    if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
-        return Source(spec, [_hf_part(spec, str(p), field)])
-    if p.is_file():
-        parts = [Part(p.name, _kind(p), p)]
-    else:  # keys relative to the directory: the split does not depend on where it is or how it is spelt
-        parts = [Part(f"{p.resolve().name}/{f.relative_to(p).as_posix()}", _kind(f), f) for f in _files_under(p, out)]
-    if not parts:
-        raise ValueError(f"source {spec}: the directory holds no files")
-    for part in parts:
-        _check_field(part, field)
-    return Source(spec, parts)
-
-
-def _files_under(d: Path, out: Path | None) -> list[Path]:
-    """The files under ``d``, recursively, sorted; hidden files and directories and ``out`` left out."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(d):
-        dirnames[:] = sorted(n for n in dirnames if not n.startswith(".") and not _is_out(Path(dirpath) / n, out))
-        files.extend(Path(dirpath) / n for n in sorted(filenames) if not n.startswith("."))
-    return sorted(files)
-
-
-def _is_out(d: Path, out: Path | None) -> bool:
-    """Whether ``d`` is the output directory or one of its ``.tmp-<pid>``/``.old-<pid>`` siblings."""
-    if out is None or d.resolve().parent != out.resolve().parent:
-        return False
-    return d.name == out.name or d.name.startswith((f"{out.name}.tmp-", f"{out.name}.old-"))
-
-
-def _kind(f: Path) -> str:
-    return {".jsonl": "jsonl", ".parquet": "parquet"}.get(f.suffix.lower(), "text")
-
-
-def _check_field(part: Part, field: str) -> None:
-    if part.kind == "parquet":
-        names = _parquet(part.path).schema_arrow.names
-    elif part.kind == "jsonl":
-        first = next((r for _, r in _jsonl_records(part.path) if r is not None), None)
-        names = list(first) if first is not None else [field]
-    else:
-        return
-    if field not in names:
-        raise ValueError(f"source {part.path}: no field {field!r} (fields: {', '.join(names)}); pass --field NAME")
-
-
-def _parquet(path: Path):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(
-            f"source {path}: reading .parquet needs pyarrow (pip install pyarrow, or pip install -e '.[data]')"
-        ) from None
-    return pq.ParquetFile(path)
-
-
-def _hf_part(spec: str, name: str, field: str) -> Part:
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(
-            f"source {spec}: reading a Hugging Face dataset needs the datasets package (pip install datasets, or "
-            "pip install -e '.[data]') and, for hf:NAME, the network"
-        ) from None
-    try:
-        ds = datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, split="train")
-    except Exception as e:  # datasets raises many types (hub, network, format); all mean this source is unusable
-        raise ValueError(f"source {spec}: could not load the dataset ({type(e).__name__}: {e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise ValueError(f"source {spec}: the dataset has no train split (splits: {', '.join(ds)})")
-        ds = ds["train"]
-    if field not in ds.column_names:
-        raise ValueError(f"source {spec}: no field {field!r} (fields: {', '.join(ds.column_names)}); pass --field NAME")
-    return Part(Path(name).name if Path(name).is_dir() else spec, "hf", dataset=ds)
-
-
-def _jsonl_records(path: Path) -> Iterator[tuple[int, dict | None]]:
-    """``(line index, object)`` per line of a .jsonl; None for a blank line."""
-    with open(path, "rb") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                yield i, None
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"source {path}: line {i + 1} is not JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"source {path}: line {i + 1} is not a JSON object")
-            yield i, obj
-
-
-def _count(part: Part) -> int:
-    """How many records (documents, blank ones included) ``part`` holds."""
-    if part.kind == "jsonl":
-        with open(part.path, "rb") as f:
-            return sum(1 for _ in f)
-    if part.kind == "parquet":
-        return _parquet(part.path).metadata.num_rows
-    if part.kind == "hf":
-        return len(part.dataset)
-    return 1
-
-
-def _documents(part: Part, field: str) -> Iterator[tuple[int, str]]:
-    """``(index, text)`` per record of ``part``; an empty text is a record without a document."""
-    if part.kind == "stdlib":
-        yield 0, part.path.read_text(encoding="utf-8", errors="replace")
-    elif part.kind == "text":
-        try:
-            yield 0, part.path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"source {part.path}: not UTF-8 text (byte {e.start}); prepare reads text") from None
-    elif part.kind == "jsonl":
-        for i, obj in _jsonl_records(part.path):
-            yield i, "" if obj is None else _text(obj, field, f"{part.path} line {i + 1}")
-    elif part.kind == "parquet":
-        batches = _parquet(part.path).iter_batches(batch_size=1024, columns=[field])
-        texts = (text for batch in batches for text in batch.column(0).to_pylist())
-        for i, text in enumerate(texts):
-            yield i, _text({field: text}, field, f"{part.path} row {i}")
-    else:
-        for i, row in enumerate(part.dataset):
-            yield i, _text(row, field, f"{part.key} row {i}")
-
-
-def _text(record: dict, field: str, where: str) -> str:
-    """The text of ``record[field]``; a null is empty."""
-    if field not in record:
-        raise ValueError(f"source {where}: no field {field!r} (fields: {', '.join(record)}); pass --field NAME")
-    text = record[field]
-    if text is not None and not isinstance(text, str):
-        raise ValueError(f"source {where}: field {field!r} holds a {type(text).__name__}, not text")
-    return text or ""
-
-
-def _source_sha256(source: Source) -> str:
-    """The sha256 of a file source's bytes; of its files' keys and sha256s for a directory; of a dataset's
-    fingerprint."""
-    if source.parts[0].kind == "hf":
-        return hashlib.sha256(source.parts[0].dataset._fingerprint.encode()).hexdigest()
-    if Path(source.path).is_file():
-        return _file_sha256(source.parts[0].path)
-    h = hashlib.sha256()
-    for part in source.parts:
-        h.update(f"{part.key}\0{_file_sha256(part.path)}\n".encode())
-    return h.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ---- the split ---------------------------------------------------------------------------------------------
 
 
@@ -344,23 +165,32 @@ def plan_split(sources: list[Source], fraction: float) -> Split:
     seen = [False, False]  # train, val
     for source in sources:
         for part in source.parts:
-            for i in range(_count(part)):
-                h = _key_hash(part.key, i)
+            for key, i in record_keys(part):
+                h = _key_hash(key, i)
                 seen[h < fraction] = True
                 if all(seen):
                     return Split(fraction)
-                keys.append((h, part.key, i))
+                keys.append((h, key, i))
     keys.sort()
     if len(keys) < 2:
         return Split(fraction, {k[1:]: False for k in keys})
     return Split(fraction, {keys[0][1:]: True, keys[-1][1:]: False})
 
 
+def _iter_records(sources: list[Source], split: Split, fmt: str) -> Iterator[tuple[instruct.Record, bool]]:
+    """``(record, is_val)`` per instruction record, in source order."""
+    for source in sources:
+        for part in source.parts:
+            for key, i, row, where in rows(part, fmt):
+                if row is not None:
+                    yield instruct.parse(row, fmt, where), split.is_val(key, i)
+
+
 def _iter_documents(sources: list[Source], split: Split, field: str) -> Iterator[tuple[str, bool]]:
     """``(text, is_val)`` per non-empty document, in source order."""
     for source in sources:
         for part in source.parts:
-            for i, text in _documents(part, field):
+            for i, text in documents(part, field):
                 if text:
                     yield text, split.is_val(part.key, i)
 
@@ -368,17 +198,23 @@ def _iter_documents(sources: list[Source], split: Split, field: str) -> Iterator
 # ---- tokenizing --------------------------------------------------------------------------------------------
 
 
-def _train(sources: list[Source], split: Split, vocab_size: int, field: str, progress) -> Codec:
-    """``bpe:vocab_size`` trained on the train documents."""
+def _train(sources: list[Source], split: Split, vocab_size: int, field: str, progress, plan=None) -> Codec:
+    """``bpe:vocab_size`` trained on the train documents; a chat template's ``<|...|>`` markers are special tokens."""
     task = progress.add_task(f"training bpe:{vocab_size}", total=None, docs=0, tokens=0, rate="")
+    if plan is None:
+        docs = _iter_documents(sources, split, field)
+    else:
+        records = _iter_records(sources, split, plan.format)
+        docs = ((plan.text(r), is_val) for r, is_val in records if plan.has_target(r))
 
     def texts():
-        for n, (text, is_val) in enumerate(_iter_documents(sources, split, field), 1):
+        for n, (text, is_val) in enumerate(docs, 1):
             progress.update(task, docs=n)
             if not is_val:
                 yield text
 
-    codec = train_bpe(texts(), vocab_size)
+    special = instruct.template_tokens(plan.template) if plan is not None and plan.template else ()
+    codec = train_bpe(texts(), vocab_size, special)
     progress.update(task, total=1, completed=1)
     return codec
 
@@ -394,29 +230,35 @@ def _check_eos(codec: Codec, spec: str) -> Codec:
 
 @dataclass
 class Stats:
-    """What ``tokenize`` wrote: the token dtype's name, and tokens and documents per split."""
+    """What ``tokenize`` wrote: the token dtype's name, tokens and documents per split, and for instruction data
+    its masks' and offsets' writer (target counts, document lengths, skipped records)."""
 
     dtype: str
     tokens: dict[str, int]
     documents: dict[str, int]
+    extras: instruct.Extras | None = None
 
 
-def tokenize(sources, split: Split, codec: Codec, field: str, out: Path, workers: int, progress) -> Stats:
+def tokenize(sources, split: Split, codec: Codec, field: str, out: Path, workers: int, progress, plan=None) -> Stats:
     """Encode every document into ``out/train.bin`` and ``out/val.bin``, EOS after each, in source order.
 
     Documents go to ``workers`` processes in chunks; results are written in submission order, so the files do
-    not depend on the worker count.
+    not depend on the worker count. With a ``plan`` (instruction data) the documents are its records, written with
+    their masks and offsets (:mod:`trainer.instruct`).
     """
     wide = codec.vocab_size > 1 << 16
     dtype = np.dtype("<u4" if wide else "<u2")  # little-endian, as nanoGPT writes
     stats = Stats("uint32" if wide else "uint16", {"train": 0, "val": 0}, {"train": 0, "val": 0})
     task = progress.add_task("tokenizing", total=None, docs=0, tokens=0, rate="")
     t0 = time.perf_counter()
-    chunks = _chunks(_iter_documents(sources, split, field))
+    docs = _iter_documents(sources, split, field) if plan is None else _iter_records(sources, split, plan.format)
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(open(out / f"{name}.bin", "wb")) for name in ("train", "val")]
-        encode = stack.enter_context(_encoder(codec, dtype, workers))
-        for arrays, counts in encode(chunks):
+        extras = stats.extras = None if plan is None else stack.enter_context(instruct.Extras(out))
+        encode = stack.enter_context(_encoder(codec, dtype, workers, plan))
+        for arrays, counts, *more in encode(_chunks(docs)):
+            if extras is not None:
+                extras.add(*more)
             for name, f, arr, n in zip(("train", "val"), files, arrays, counts):
                 arr.tofile(f)
                 stats.tokens[name] += len(arr)
@@ -424,20 +266,27 @@ def tokenize(sources, split: Split, codec: Codec, field: str, out: Path, workers
             done = sum(stats.tokens.values())
             rate = f"{done / max(time.perf_counter() - t0, 1e-9):,.0f} tokens/s"
             progress.update(task, docs=sum(stats.documents.values()), tokens=done, rate=rate)
+        if extras is not None:
+            extras.finish()
     where = ", ".join(s.path for s in sources)
     if not sum(stats.documents.values()):
+        if extras is not None and extras.skipped:
+            raise ValueError(
+                f"source {where}: holds no document with a target token ({extras.skipped} records without one under "
+                f"--train-on {plan.train_on}: no assistant turn)"
+            )
         raise ValueError(f"source {where}: holds no documents (every text is empty)")
     if not stats.documents["train"]:
         raise ValueError(f"source {where}: every document fell in val.bin; lower --val-fraction")
     return stats
 
 
-def _chunks(docs: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
-    """Consecutive documents in lists of about ``CHUNK_CHARS`` characters."""
+def _chunks(docs: Iterator[tuple]) -> Iterator[list[tuple]]:
+    """Consecutive documents (texts or instruction records) in lists of about ``CHUNK_CHARS`` characters."""
     chunk, size = [], 0
     for doc in docs:
         chunk.append(doc)
-        size += len(doc[0])
+        size += len(doc[0]) if isinstance(doc[0], str) else doc[0].chars
         if size >= CHUNK_CHARS:
             yield chunk
             chunk, size = [], 0
@@ -445,19 +294,22 @@ def _chunks(docs: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]
         yield chunk
 
 
-_WORKER: tuple[Codec, np.dtype] | None = None  # what _encode_chunk uses, in each worker (or this process)
+_WORKER: tuple[Codec, np.dtype, instruct.Plan | None] | None = None  # what _encode_chunk uses, in each worker
 
 
-def _init_worker(codec: Codec, dtype: np.dtype, pool: bool = False) -> None:
+def _init_worker(codec: Codec, dtype: np.dtype, pool: bool = False, plan: instruct.Plan | None = None) -> None:
     global _WORKER
-    _WORKER = (codec, dtype)
+    _WORKER = (codec, dtype, plan)
     if pool:  # Ctrl-C reaches the whole process group: the parent stops the pool, the workers stay quiet
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _encode_chunk(chunk: list[tuple[str, bool]]) -> tuple[tuple[np.ndarray, np.ndarray], tuple[int, int]]:
-    """The chunk's train and val tokens (EOS after each document) and document counts."""
-    codec, dtype = _WORKER
+def _encode_chunk(chunk: list[tuple]) -> tuple:
+    """The chunk's train and val tokens (EOS after each document) and document counts; for instruction records also
+    their masks, document lengths and skipped count (``instruct.encode_records``)."""
+    codec, dtype, plan = _WORKER
+    if plan is not None:
+        return instruct.encode_records(chunk, codec, dtype, plan)
     ids = codec.encode_batch([text for text, _ in chunk])
     parts = ([], [])
     for (_, is_val), doc in zip(chunk, ids):
@@ -468,10 +320,10 @@ def _encode_chunk(chunk: list[tuple[str, bool]]) -> tuple[tuple[np.ndarray, np.n
 
 
 @contextlib.contextmanager
-def _encoder(codec: Codec, dtype: np.dtype, workers: int):
+def _encoder(codec: Codec, dtype: np.dtype, workers: int, plan: instruct.Plan | None = None):
     """A function from chunks to their encoded results, in order: in this process, or in a pool."""
     if workers == 1:
-        _init_worker(codec, dtype)
+        _init_worker(codec, dtype, plan=plan)
         yield lambda chunks: map(_encode_chunk, chunks)
         return
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
@@ -480,7 +332,7 @@ def _encoder(codec: Codec, dtype: np.dtype, workers: int):
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(codec, dtype, True))
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(codec, dtype, True, plan))
     finally:
         _restore_env("TOKENIZERS_PARALLELISM", saved)
     try:
@@ -512,8 +364,8 @@ def _ordered(pool, chunks, window: int):
 # ---- meta.json and the summary -----------------------------------------------------------------------------
 
 
-def _meta(args, codec: Codec, stats: Stats, sources: list[Source], split: Split) -> dict:
-    return {
+def _meta(args, codec: Codec, stats: Stats, sources: list[Source], split: Split, plan=None) -> dict:
+    meta = {
         "format": META_FORMAT,
         "tokenizer": args.tokenizer,
         "vocab_size": codec.vocab_size,
@@ -521,15 +373,20 @@ def _meta(args, codec: Codec, stats: Stats, sources: list[Source], split: Split)
         "dtype": stats.dtype,
         "tokens": stats.tokens,
         "documents": stats.documents,
-        "sources": [{"path": s.path, "sha256": _source_sha256(s)} for s in sources],
+        "sources": [{"path": s.path, "sha256": source_sha256(s)} for s in sources],
         "field": args.field,
         "val_fraction": split.fraction,
     }
+    if plan is not None:  # instruction data: "format" names it (chat, completion), the other keys are kept
+        meta.update(instruct.meta_fields(plan, stats.extras))
+    return meta
 
 
-def _write_meta(tmp: Path, codec: Codec, meta: dict) -> None:
+def _write_meta(tmp: Path, codec: Codec, meta: dict, plan=None) -> None:
     if codec.tokenizer is not None:
         codec.save(tmp / "tokenizer.json")
+    if plan is not None and plan.template is not None:
+        (tmp / chat.TEMPLATE_FILE).write_text(plan.template, encoding="utf-8")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -551,7 +408,7 @@ def _progress():
         yield progress
 
 
-def _summary(meta: dict, seconds: float, out: Path) -> None:
+def _summary(meta: dict, seconds: float, out: Path, stats: Stats, seq_len: int | None = None) -> None:
     docs, tokens = sum(meta["documents"].values()), sum(meta["tokens"].values())
     console.info(
         f"prepared {docs:,} documents ({meta['documents']['val']:,} val), {tokens:,} tokens "
@@ -560,3 +417,6 @@ def _summary(meta: dict, seconds: float, out: Path) -> None:
     if meta["documents"]["val"] == 0:
         why = "--val-fraction 0" if meta["val_fraction"] == 0 else "the corpus is one document"
         console.warn(f"val.bin is empty ({why}); `trainer fit` evaluates on it: give several documents")
+    if stats.extras is not None:
+        for line in instruct.summary(meta, np.concatenate(stats.extras.lengths_by_split), seq_len):
+            console.info(line)
