@@ -72,6 +72,26 @@ def test_accumulation_averages_the_micro_batches_gradients_and_losses():
     assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
 
 
+def test_weighted_micro_batches_scale_each_loss_by_their_weight():
+    """Packed documents: each micro-batch ends with its weight (its share of the global batch's targets, times the
+    ranks); the gradient is the weighted sum of the micro-batches' gradients and the loss their weighted sum, not the
+    mean (the weights 0.1, 0.6 and 0.3 here would give other numbers as 1/3 each)."""
+    model, plain = Regression(), _batches(3)
+    weights = torch.tensor([0.1, 0.6, 0.3])
+    opt = RecordingSGD(model.parameters())
+    out = _step(model, opt, grad_accum=3, weighted=True)(lambda micro: (*plain(micro), weights[micro]))
+    want_grads, want_loss = [], 0.0
+    for micro in range(3):
+        ref = Regression()
+        loss = ref(*plain(micro))
+        (loss * weights[micro]).backward()
+        want_loss += loss.item() * weights[micro].item()
+        want_grads.append([p.grad for p in ref.parameters()])
+    for got, *per_micro in zip(opt.seen[0], *want_grads):
+        torch.testing.assert_close(got, sum(per_micro))
+    assert out.loss.item() == pytest.approx(want_loss)
+
+
 @pytest.mark.parametrize("clip", [0.0, 1e-3])
 def test_clipping_reports_the_norm_before_and_clips_to_the_limit(clip):
     model, batch_of = Regression(), _batches(1)
@@ -192,12 +212,12 @@ def test_the_graphed_path_captures_after_the_ordinary_steps_and_replays_the_stac
     captured = []
 
     class FakeGraph:
-        def __init__(self, body, opt, params, xs, ys):
-            captured.append(xs.shape)
+        def __init__(self, body, opt, params, inputs):
+            captured.append([t.shape for t in inputs])
             self.body, self.opt = body, opt
 
-        def __call__(self, xs, ys):
-            out = self.body(xs, ys)
+        def __call__(self, inputs):
+            out = self.body(inputs)
             self.opt.zero_grad(set_to_none=False)  # a graph keeps its gradient buffers
             return out
 
@@ -207,7 +227,9 @@ def test_the_graphed_path_captures_after_the_ordinary_steps_and_replays_the_stac
     step = _step(model, opt, grad_accum=2, grad_clip=1e-3)
     step.graphed = True  # as on CUDA
     outs = [step(batch_of) for _ in range(GRAPH_AFTER_STEPS + 2)]
-    assert captured == [torch.Size([2, 8, 4])] and step.graph is not None  # captured once, at the 4th call
+    assert (
+        captured == [[torch.Size([2, 8, 4]), torch.Size([2, 8])]] and step.graph is not None
+    )  # captured once, at the 4th call
     ordinary, replayed = opt.seen[GRAPH_AFTER_STEPS - 1], opt.seen[GRAPH_AFTER_STEPS]
     assert torch.nn.utils.get_total_norm(replayed) == pytest.approx(1e-3, rel=1e-4)  # clipped in the body
     assert torch.nn.utils.get_total_norm(ordinary) == pytest.approx(1e-3, rel=1e-4)

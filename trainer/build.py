@@ -63,7 +63,13 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
             return build(False)
 
     def ready(model: nn.Module) -> nn.Module:  # something to train, checked against the data, then fp8's layers
-        return master_weights(_maybe_fp8(check_fits_data(check_trainable(model, cfg), cfg, vocab_size), plan), cfg)
+        model = master_weights(_maybe_fp8(check_fits_data(check_trainable(model, cfg), cfg, vocab_size), plan), cfg)
+        if plan.documents is not None:  # packed instruction data: each document attends to itself only
+            from trainer.models.hf import use_document_mask
+
+            if why := use_document_mask(model, plan.documents):
+                console.warn(why)
+        return model
 
     if not fsdp:
         return ready(whole()).to(device)
@@ -244,21 +250,23 @@ def batches(plan: plan_rules.Plan, corpus, env):
     data-parallel index's (the ranks of one tensor- or context-parallel group read the same sequences)."""
     from trainer.data import Batches
     from trainer.distributed.cp import context_positions
+    from trainer.packing import PackedBatches
 
     cfg = plan.cfg
-    return Batches(
-        corpus,
+    common = dict(
         seq_len=cfg.data.seq_len,
         micro_batch_size=cfg.train.micro_batch_size,
         grad_accum=cfg.train.grad_accum,
         rank=plan.strategy.mesh.dp_rank(env.rank) if plan.strategy.world > 1 else 0,
-        positions=context_positions(plan.strategy.mesh, env.rank, cfg.data.seq_len),
         world_size=plan.strategy.dp_ranks,
         seed=cfg.seed,
         device=env.device,
         global_batch=plan.global_batch,
         skip=cfg.train.skip_batches,
     )
+    if corpus.documents is not None:  # instruction data: whole documents packed, a document mask, a loss mask
+        return PackedBatches(*corpus.documents, filler=corpus.eos_id or 0, **common)
+    return Batches(corpus, positions=context_positions(plan.strategy.mesh, env.rank, cfg.data.seq_len), **common)
 
 
 def backward_context(cfg: Config):
@@ -330,6 +338,7 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
         backward_ctx=backward_context(cfg),
         fallback=eager_fallback(raw_model, plan, env, opt=opt),
         sync=sync.of(model, plan),
+        weighted=plan.documents is not None,
     )
 
 

@@ -52,6 +52,36 @@ def _stdlib_corpus(val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 @dataclass
+class Documents:
+    """One split of an instruction directory: the tokens, their loss mask, each document's start.
+
+    Attributes:
+        tokens: the token ids, a memory map.
+        mask: uint8, 1 where the token is a training target, a memory map of the same length.
+        starts: int64, each document's first token, then the total (documents + 1 entries).
+    """
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    starts: np.ndarray
+
+    def pieces(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, length)`` of every piece: each document, cut into pieces of ``seq_len`` where it is longer."""
+        starts, lengths = self.starts[:-1], np.diff(self.starts)
+        keep = lengths > 0
+        starts, lengths = starts[keep], lengths[keep]
+        n = -(-lengths // seq_len)  # pieces per document
+        first = np.repeat(starts, n)
+        k = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # the piece's index within its document
+        offset = k * seq_len
+        return first + offset, np.minimum(np.repeat(lengths, n) - offset, seq_len)
+
+    def split_documents(self, seq_len: int) -> int:
+        """How many documents are longer than ``seq_len`` (cut into pieces)."""
+        return int((np.diff(self.starts) > seq_len).sum())
+
+
+@dataclass
 class Corpus:
     train: np.ndarray
     val: np.ndarray
@@ -59,6 +89,9 @@ class Corpus:
     description: str
     eos_id: int | None = None
     """The end-of-document token of a prepared directory (meta.json's ``eos_id``); None for bytes and bare .bin."""
+    documents: tuple[Documents, Documents] | None = None
+    """An instruction directory's train and validation documents, with their loss masks (:mod:`trainer.packing`
+    packs them); None for pretraining text, whose batches are windows of the token stream."""
 
 
 META = "meta.json"
@@ -109,6 +142,10 @@ def load_corpus(
             )
         corpus = _byte_corpus(p if p is None else _existing(p), vocab_size, val_fraction)
     for name, arr in (("train", corpus.train), ("validation", corpus.val)):
+        if corpus.documents is not None:  # packed documents: any length of document fills sequences
+            if len(arr) < 2:
+                raise ValueError(f"data: the {name} split of {p} holds no document of two tokens or more")
+            continue
         if len(arr) <= seq_len + 1:
             raise ValueError(
                 f"data: the {name} split has {len(arr)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; "
@@ -227,9 +264,57 @@ def _prepared_corpus(d: Path, vocab_size: int | None, dtype: str) -> Corpus:
                 "directory is incomplete or mixed up; run `trainer prepare` again"
             )
     desc = f"{meta_dtype} tokens of {meta.get('tokenizer', 'an unnamed tokenizer')} ({d})"
+    documents = None
+    if meta.get("format") in INSTRUCTION_FORMATS:
+        documents = tuple(_documents(d, split, splits[split]) for split in ("train", "val"))
+        desc = f"{meta['format']} documents, {desc}"
     return Corpus(
-        train=splits["train"], val=splits["val"], vocab_size=vocab, description=desc, eos_id=meta.get("eos_id")
+        train=splits["train"],
+        val=splits["val"],
+        vocab_size=vocab,
+        description=desc,
+        eos_id=meta.get("eos_id"),
+        documents=documents,
     )
+
+
+INSTRUCTION_FORMATS = ("chat", "completion")
+"""meta.json's ``format`` of an instruction directory: documents with a loss mask, packed (:mod:`trainer.packing`)."""
+
+
+def instruction_format(path: str | None) -> str | None:
+    """``data.path``'s instruction format (chat or completion: documents packed, with a loss mask), read from its
+    meta.json without the tokens; None for pretraining data."""
+    p = _data_path(path)
+    if p is None or not p.is_dir() or not (p / META).is_file():
+        return None
+    fmt = read_meta(p).get("format")
+    return fmt if fmt in INSTRUCTION_FORMATS else None
+
+
+def _documents(d: Path, split: str, tokens: np.ndarray) -> Documents:
+    """An instruction directory's split: its tokens, ``<split>.mask.bin`` and ``<split>.docs.npy``, checked against
+    each other."""
+    mask_file, docs_file = d / f"{split}.mask.bin", d / f"{split}.docs.npy"
+    for f in (mask_file, docs_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"data.path: {d} is instruction data without {f.name}; run `trainer prepare` again")
+    mask = np.memmap(mask_file, dtype=np.uint8, mode="r") if mask_file.stat().st_size else np.zeros(0, np.uint8)
+    starts = np.load(docs_file)
+    ok = (
+        len(mask) == len(tokens)
+        and starts.ndim == 1
+        and len(starts) >= 1
+        and starts[0] == 0
+        and starts[-1] == len(tokens)
+        and bool(np.all(np.diff(starts) >= 0))
+    )
+    if not ok:
+        raise ValueError(
+            f"data.path: {d}: {mask_file.name} ({len(mask)} tokens) and {docs_file.name} do not match {split}.bin "
+            f"({len(tokens)} tokens); run `trainer prepare` again"
+        )
+    return Documents(tokens=tokens, mask=mask, starts=starts.astype(np.int64))
 
 
 def read_tokens(path: Path, dtype: str, vocab_size: int, meta: Path | None = None) -> np.ndarray:

@@ -101,7 +101,7 @@ class Trainer:
         log = StepLog(metrics, env=env, start_step=progress.step, last_step=cfg.train.steps, log_every=cfg.log.every,
                       tokens_per_step=tokens_per_step, flops_per_token=flops_per_token(raw_model, cfg.data.seq_len),
                       peak_flops=peak_flops(env.device, cfg.log.peak_flops), compiled=compiling,
-                      check=check)  # fmt: skip
+                      check=check, targets=getattr(batches, "targets", None))  # fmt: skip
         model.train()
         try:
             while progress.step < cfg.train.steps:

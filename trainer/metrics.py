@@ -320,6 +320,9 @@ class StepLog:
         compiled: the first step includes the compile (its line says so).
         check: ``check(step, loss, first, ranks)`` raises to stop the run (``ranks``: the ranks whose loss was
             not finite, under torchrun).
+        targets: ``targets(k)``: the number of target tokens of step ``k``'s global batch (0 for the first step;
+            packed documents, :meth:`trainer.packing.PackedBatches.targets`), which records give as ``targets``
+            and ``targets_per_s``; None where every token is a target.
     """
 
     def __init__(
@@ -335,6 +338,7 @@ class StepLog:
         peak_flops: float | None,
         compiled: bool,
         check: Callable[[int, float, bool, list[int] | None], None],
+        targets: Callable[[int], int] | None = None,
     ):
         self.metrics, self.env, self.start_step, self.last_step = metrics, env, start_step, last_step
         self.log_every, self.tokens_per_step, self.compiled, self.check = log_every, tokens_per_step, compiled, check
@@ -347,6 +351,8 @@ class StepLog:
         self.checkpoint_s = 0.0  # the seconds the steps waited for checkpoints since the last record
         self.checkpoint_wait_s = 0.0  # of which for a background write still in flight at the next save
         self.skipped = 0  # steps whose update was skipped, in this start
+        self.targets = targets
+        self.targets_since = [0, 0]  # target tokens and steps read since the last record
         startup.mark("wrap")
 
     def launched(self, step: int, out, lr: float, tokens: int) -> None:
@@ -365,7 +371,8 @@ class StepLog:
             losses = losses * 4
         own = loss if self.env.distributed else None  # what this rank's slot of ``losses`` must hold, exactly
         read = copy_to_host(losses, out.grad_norm, own)  # started now, waited for at the read
-        self.pending = {"step": step, "read": read, "lr": lr, "tokens": tokens, "out": out}
+        targets = None if self.targets is None else self.targets(step - 1)
+        self.pending = {"step": step, "read": read, "lr": lr, "tokens": tokens, "out": out, "targets": targets}
 
     def reads_at_once(self, step: int) -> bool:
         """Whether ``step`` is read as soon as it is queued: the first (its time is the compile), and every step on
@@ -390,6 +397,8 @@ class StepLog:
         else:
             self.check(step, loss, first, ranks)
         self.metrics.advance(step, loss, self.timer.last_tps)
+        if p["targets"] is not None:
+            self.targets_since = [self.targets_since[0] + p["targets"], self.targets_since[1] + 1]
         if not (force or first or step % self.log_every == 0 or step == self.last_step):
             return None
         tps, step_time = self.timer.read()
@@ -404,6 +413,10 @@ class StepLog:
         }
         if self.skipped:
             record["skipped_steps"] = self.skipped
+        if p["targets"] is not None:  # the share of the interval's tokens that were targets gives their rate
+            share = self.targets_since[0] / (self.targets_since[1] * self.tokens_per_step)
+            record["targets"], record["targets_per_s"] = p["targets"], None if first else tps * share
+            self.targets_since = [0, 0]
         if first:
             record["first_step_s"] = step_time
             if (phases := startup.phases()) is not None:  # where this process's start went (trainer.startup)

@@ -189,6 +189,9 @@ class Plan:
             :class:`~trainer.distributed.buckets.BucketPlan`) or the FSDP units (fsdp, lists of modules); else None.
         units: the layout's units by name, for ``plan.json``: each bucket's or FSDP unit's modules.
         async_save: ``checkpoint.async_save``, once :meth:`placed` on the model (``auto`` needs the state's size).
+        documents: how the model keeps packed documents apart (instruction data, :mod:`trainer.packing`): ``flex``
+            (FlexAttention's block mask, on CUDA) or ``dense`` (SDPA with a (B, 1, T, T) mask); None for pretraining
+            data, whose sequences are windows of one stream.
     """
 
     cfg: Config
@@ -213,6 +216,7 @@ class Plan:
     layout: object | None = field(default=None, compare=False, repr=False)
     units: tuple[tuple[str, ...], ...] = ()
     async_save: bool = False
+    documents: str | None = None
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -300,6 +304,7 @@ class Plan:
             "compile.cudagraphs": self.graphed,
             "compile.kernels": list(self.kernels),
             "checkpoint.async_save": self.async_save,
+            "documents": self.documents,
             "units": [list(u) for u in self.units],
             "choices": list(self.choices),
         }
@@ -567,6 +572,11 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
     ddtype, why = token_dtype(cfg.data.path, cfg.data.dtype)
     if cfg.data.dtype == "auto":
         choices.append(f"data.dtype=auto: {ddtype} ({why})")
+    from trainer.packing import document_mask
+
+    m = cfg.model
+    documents, why = document_mask(cfg.data.path, m.hf, m.target, strategy.cp, device)
+    choices += [why] if why else []
     attention = cfg.model.attention
     if cfg.model.target is not None or cfg.model.hf is not None:
         attention = "the model's own (model.attention is the built-in GPT's)"
@@ -591,6 +601,7 @@ def resolve(cfg: Config, env, saved: SavedBatch | None = None) -> Plan:
         kernels=switches.kernels,
         choices=tuple(choices),
         rank=env.rank,
+        documents=documents,
         **_device_facts(device),
     )
 

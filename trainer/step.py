@@ -157,7 +157,8 @@ class StepOptimizer(Protocol):
 
 class StepOutput(NamedTuple):
     loss: torch.Tensor
-    """The mean loss over the step's micro-batches (this rank's), a device scalar."""
+    """The mean loss over the step's micro-batches (this rank's), a device scalar. With weighted micro-batches (packed
+    documents) the weighted sum: its mean over the ranks is the global batch's loss per target."""
     grad_norm: torch.Tensor | None
     """The global gradient norm before clipping, a device scalar (None when nothing reported one)."""
     skipped: str = ""
@@ -185,6 +186,8 @@ class TrainStep:
         fallback: on a compile failure, ``fallback(model, sync) -> (eager model, its sync)`` to go on with; None
             stops the run.
         sync: how the gradients reach the other ranks (:mod:`trainer.distributed.sync`); None: one process.
+        weighted: each micro-batch ends with its weight, which its loss is multiplied by in place of
+            ``1 / grad_accum`` (packed documents: :mod:`trainer.packing`).
     """
 
     def __init__(
@@ -204,8 +207,10 @@ class TrainStep:
         backward_ctx: Callable | None = None,
         fallback: Callable | None = None,
         sync: GradSync | None = None,
+        weighted: bool = False,
     ):
         self.model, self.raw_model, self.opt, self.env = model, raw_model, opt, env
+        self.weighted = weighted
         self.sync = sync or NoSync()
         self.accum, self.grad_clip = grad_accum, grad_clip
         self.graphed = graphed and env.device.type == "cuda"
@@ -263,17 +268,24 @@ class TrainStep:
         return ""
 
     def forward_backward(self, batch_of: BatchOf) -> torch.Tensor:
-        """Every micro-batch's forward and backward (gradients accumulated, reduced on the last); the mean loss."""
+        """Every micro-batch's forward and backward (gradients accumulated, reduced on the last); the step's loss:
+        the mean over the micro-batches, or with ``weighted`` batches the weighted sum."""
         loss_sum = None
         for micro in range(self.accum):
-            batch = batch_of(micro)  # (x, y[, positions])
+            batch, weight = self._split(batch_of(micro))  # (x, y[, positions]), the weight or None
             with self.backward_ctx(), self.sync.no_sync(micro < self.accum - 1):
                 with self.autocast or contextlib.nullcontext():
                     loss = loss_of(self.model(*batch))
-                scaled = loss * self.inv_accum if self.accum > 1 else loss
+                factor = weight if weight is not None else self.inv_accum if self.accum > 1 else None
+                scaled = loss if factor is None else loss * factor
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # no zeros kernel
-        return loss_sum / self.accum if self.accum > 1 else loss_sum
+            part = loss.detach() if weight is None else loss.detach() * weight
+            loss_sum = part if loss_sum is None else loss_sum + part  # no zeros kernel
+        return loss_sum / self.accum if self.accum > 1 and not self.weighted else loss_sum
+
+    def _split(self, batch: tuple) -> tuple[tuple, torch.Tensor | None]:
+        """A micro-batch's model inputs and its weight (the last item, with ``weighted``; else None)."""
+        return (tuple(batch[:-1]), batch[-1]) if self.weighted else (tuple(batch), None)
 
     @torch.no_grad()
     def evaluate(self, batch_of: BatchOf, n_batches: int) -> float:
@@ -281,9 +293,10 @@ class TrainStep:
         self.model.eval()
         total = torch.zeros((), device=self.env.device)
         for i in range(n_batches):
-            batch = batch_of(i)  # (x, y[, positions])
+            batch, weight = self._split(batch_of(i))  # (x, y[, positions]), the weight or None
             with self.autocast or contextlib.nullcontext():
-                total += loss_of(self.model(*batch)).float()
+                loss = loss_of(self.model(*batch)).float()
+            total += loss if weight is None else loss * weight
         self.model.train()
         return dist_env.all_reduce_mean(total / n_batches, self.env).item()
 
@@ -306,16 +319,16 @@ class TrainStep:
             return self.forward_backward(batch_of)
 
     def _replay(self, batch_of: BatchOf) -> StepOutput:
-        pairs = [batch_of(micro) for micro in range(self.accum)]
-        xs, ys = torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])  # (accum, B, T)
+        micros = [batch_of(micro) for micro in range(self.accum)]
+        inputs = [torch.stack(items) for items in zip(*micros)]  # (accum, B, T) each; weights (accum,)
         if self.graph is None:
             from trainer.compile.graphed import GraphedStep
 
-            self.graph = GraphedStep(self._graph_body, self.opt, self.raw_model.parameters(), xs, ys)
+            self.graph = GraphedStep(self._graph_body, self.opt, self.raw_model.parameters(), inputs)
             console.info(
                 f"the whole step captured as one CUDA graph after {GRAPH_AFTER_STEPS} ordinary steps, replayed"
             )
-        return StepOutput(*self.graph(xs, ys))
+        return StepOutput(*self.graph(inputs))
 
     def _reduce_and_clip(self) -> torch.Tensor | None:
         """After the backward, in both paths: the gradients reduced over the ranks (ddp: waits for the bucket
@@ -326,9 +339,9 @@ class TrainStep:
             self.scaler.unscale_(self.opt)
         return clip_gradients(self.raw_model, self.opt, self.grad_clip, self.clips_itself, self.scaler, norm)
 
-    def _graph_body(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _graph_body(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step as captured: no host syncs, no zero_grad (the captured backward writes the gradients)."""
-        loss = self.forward_backward(lambda micro: (xs[micro], ys[micro]))
+        loss = self.forward_backward(lambda micro: tuple(t[micro] for t in inputs))
         norm = self._reduce_and_clip()
         self.opt.step()
         return loss, norm

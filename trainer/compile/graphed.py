@@ -160,22 +160,23 @@ class GraphedStep:
     """One whole training step as a CUDA graph (see the module docstring).
 
     Args:
-        step_fn: ``step_fn(xs, ys) -> (loss, grad_norm)``: runs every micro-batch's forward and
-            backward (``xs[i]``, ``ys[i]``), clips and steps the optimizer. It must not synchronise
-            with the host.
+        step_fn: ``step_fn(inputs) -> (loss, grad_norm)``: runs every micro-batch's forward and
+            backward (micro-batch ``i``: ``t[i]`` of each input), clips and steps the optimizer. It must not
+            synchronise with the host.
         opt: the optimizer ``step_fn`` steps (:class:`trainer.step.StepOptimizer`): ``triton`` brings its replay hooks,
             torch's (hooks None) are made capturable here.
-        xs, ys: the first batch to run, ``(grad_accum, micro_batch, seq_len)``; their shapes and
-            dtypes are the static buffers'.
+        inputs: the first batch to run, each ``(grad_accum, ...)`` (tokens and targets ``(grad_accum, micro_batch,
+            seq_len)``; positions, weights where the batches have them); their shapes and dtypes are the static
+            buffers'.
     """
 
-    def __init__(self, step_fn: Callable, opt: torch.optim.Optimizer, params, xs: torch.Tensor, ys: torch.Tensor):
+    def __init__(self, step_fn: Callable, opt: torch.optim.Optimizer, params, inputs: list[torch.Tensor]):
         # trainer's Triton optimizers keep their hyperparameters on the device already: they are written before each
         # replay (a schedule's new lr) and the host counts the replays' steps; torch's are made capturable.
         self._before, self._after = opt.before_graph_replay, opt.after_graph_replay
         if self._before is None:
             make_capturable(opt)
-        self.xs, self.ys = xs.clone(), ys.clone()
+        self.inputs = [t.clone() for t in inputs]
         for p in params:
             p.grad = None  # allocated by the captured backward, in the graph's pool
         if self._before is not None:
@@ -183,15 +184,15 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(self.graph):
-            self.loss, self.grad_norm = step_fn(self.xs, self.ys)
+            self.loss, self.grad_norm = step_fn(self.inputs)
 
-    def __call__(self, xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one step on this batch; returns this replay's (loss, grad norm), copies the caller keeps."""
-        if xs.shape != self.xs.shape or ys.shape != self.ys.shape:
-            got, captured = tuple(xs.shape), tuple(self.xs.shape)
-            raise ValueError(f"graphed step: batch shape {got} differs from the captured {captured}")
-        self.xs.copy_(xs, non_blocking=True)
-        self.ys.copy_(ys, non_blocking=True)
+        got, captured = [tuple(t.shape) for t in inputs], [tuple(t.shape) for t in self.inputs]
+        if got != captured:
+            raise ValueError(f"graphed step: batch shapes {got} differ from the captured {captured}")
+        for static, t in zip(self.inputs, inputs):
+            static.copy_(t, non_blocking=True)
         if self._before is not None:
             self._before()
         self.graph.replay()

@@ -15,6 +15,7 @@ token after ``idx[t]``), and ``labels=`` would shift them again.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,10 @@ class HFCausalLM(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.hf = model
+        self.documents: str | None = None
+        """Packed documents (:func:`use_document_mask`): ``flex`` or ``dense``, the mask that keeps them apart; the
+        loss is then the mean over the targets that are not -100, 0 where there are none. None: one sequence per
+        row."""
         head = model.get_output_embeddings()
         assert head is not None, f"{type(model).__name__} has no output embeddings (LM head)"
         # Names, not module references: a second reference would register the module twice (two state-dict keys).
@@ -61,9 +66,11 @@ class HFCausalLM(nn.Module):
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """(B, T) token ids and (B, T) next-token targets -> the mean cross-entropy; without targets, the logits.
-        ``positions``: each token's position in its sequence, (B, T) (context parallel's slices); None: 0 .. T-1."""
+        ``positions``: each token's position in its sequence, (B, T) (context parallel's slices; with packed
+        ``documents``, restarting at 0 where each document starts); None: 0 .. T-1."""
         base = getattr(self.hf, self._base_name)
-        h = base(input_ids=idx, position_ids=positions, use_cache=False)[0]  # (B, T, C): last hidden state
+        mask = None if self.documents is None or positions is None else document_mask(positions, self.documents)
+        h = base(input_ids=idx, position_ids=positions, attention_mask=mask, use_cache=False)[0]  # (B, T, C)
         if targets is None:
             return self.logits(h)  # (B, T, V)
         return self.head_loss(h, targets)
@@ -89,7 +96,11 @@ class HFCausalLM(nn.Module):
         graph passes recognise the head and loss of any model.
         """
         logits = self.logits(h)  # (B, T, V)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        if self.documents is None:
+            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        # Masked targets: a micro-batch may hold none, where the mean would be 0 / 0 (and its gradient NaN).
+        total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
+        return total / (targets != -100).sum().clamp(min=1)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), the nanoGPT / PaLM-appendix convention: 6N + 12·L·A·T.
@@ -110,6 +121,49 @@ class HFCausalLM(nn.Module):
         n_head = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
         return 6.0 * n + 12.0 * cfg.num_hidden_layers * n_head * head_dim * seq_len
+
+
+def document_mask(positions: torch.Tensor, kind: str):
+    """The mask of packed documents from their positions (B, T), which restart at 0 where a document starts: a token
+    attends to the tokens of its own document up to itself. ``kind``: ``dense``, a (B, 1, T, T) boolean mask for
+    SDPA; ``flex``, FlexAttention's ``BlockMask``, whose kernel skips the blocks across documents."""
+    doc = (positions == 0).cumsum(-1)  # (B, T): each token's document
+    B, T = positions.shape
+    if kind == "dense":
+        causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+        return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+    make = create_block_mask if torch.compiler.is_compiling() else _compiled_block_mask()
+    return make(same_document, B, None, T, T, device=positions.device)
+
+
+@functools.cache
+def _compiled_block_mask():
+    """``create_block_mask`` compiled on its own, for a forward outside a compiled graph (``compile.scope: blocks``,
+    eager): evaluated eagerly it would call the mask on every one of the B x T x T pairs."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
+def use_document_mask(model: nn.Module, kind: str) -> str | None:
+    """Make ``model`` (an :class:`HFCausalLM`) keep packed documents apart with a ``kind`` mask
+    (:func:`document_mask`): ``flex`` switches its attention to FlexAttention. Returns why it uses ``dense``
+    instead, where the model has no FlexAttention; None otherwise."""
+    assert isinstance(model, HFCausalLM), f"a document mask needs a Hugging Face model, not {type(model).__name__}"
+    why = None
+    if kind == "flex":
+        try:
+            model.hf.set_attn_implementation("flex_attention")
+        except (ValueError, ImportError, AttributeError) as e:
+            why = f"{type(model.hf).__name__} has no FlexAttention here ({_first_line(e)}); the document mask is dense"
+            kind = "dense"
+    model.documents = kind
+    return why
 
 
 def _transformers():
