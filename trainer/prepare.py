@@ -244,7 +244,7 @@ def tokenize(sources, split: Split, codec: Codec, field: str, out: Path, workers
 
     Documents go to ``workers`` processes in chunks; results are written in submission order, so the files do
     not depend on the worker count. With a ``plan`` (instruction data) the documents are its records, written with
-    their masks and offsets (:mod:`trainer.instruct`).
+    their masks and offsets (:mod:`trainer.instruct`), and only a completion is followed by EOS.
     """
     wide = codec.vocab_size > 1 << 16
     dtype = np.dtype("<u4" if wide else "<u2")  # little-endian, as nanoGPT writes
@@ -273,7 +273,7 @@ def tokenize(sources, split: Split, codec: Codec, field: str, out: Path, workers
         if extras is not None and extras.skipped:
             raise ValueError(
                 f"source {where}: holds no document with a target token ({extras.skipped} records without one under "
-                f"--train-on {plan.train_on}: no assistant turn)"
+                f"--train-on {plan.train_on}); give the chats assistant turns"
             )
         raise ValueError(f"source {where}: holds no documents (every text is empty)")
     if not stats.documents["train"]:
@@ -286,7 +286,9 @@ def _chunks(docs: Iterator[tuple]) -> Iterator[list[tuple]]:
     chunk, size = [], 0
     for doc in docs:
         chunk.append(doc)
-        size += len(doc[0]) if isinstance(doc[0], str) else doc[0].chars
+        # A record's characters cost several times a text's (rendered and tokenized piece by piece): smaller chunks
+        # keep the workers evenly busy.
+        size += len(doc[0]) if isinstance(doc[0], str) else 4 * doc[0].chars
         if size >= CHUNK_CHARS:
             yield chunk
             chunk, size = [], 0
