@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 SECTIONS = "run|seed|model|data|optim|schedule|train|compile|distributed|checkpoint|log"
 TYPO_EXAMPLE = "optim.lrr"  # the pages show what a misspelt key does
-FILE_SUFFIXES = {"bin", "json", "jsonl", "yaml", "py", "md", "txt", "png", "pt"}
+FILE_SUFFIXES = {"bin", "json", "jsonl", "yaml", "py", "md", "txt", "png", "pt", "npy"}
 HISTORY = re.compile(r"\bsession \d+|\bsince then\b|\bthis session\b", re.IGNORECASE)
 
 
@@ -41,7 +41,10 @@ def test_config_keys_exist(page):
     keys = {key for key, *_ in iter_fields()}
     unknown = []
     for span in _code_spans(page.read_text()):
-        for key in re.findall(rf"(?<![\w./])((?:{SECTIONS})\.[a-z_]+)\b", span):
+        for found in re.finditer(rf"(?<![\w./])((?:{SECTIONS})\.[a-z_]+)\b(\.\w+)?", span):
+            key, after = found.group(1), (found.group(2) or "").lstrip(".")
+            if after in FILE_SUFFIXES:  # train.mask.bin is a file
+                continue
             known = key in keys or key in _REMOVED or key == TYPO_EXAMPLE  # removed keys: named where they went
             if known or key.startswith(("model.kwargs", "compile.inductor_options")):
                 continue

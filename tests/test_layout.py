@@ -9,7 +9,7 @@ PACKAGE = ROOT / "trainer"
 
 LAYERS = (
     ("base", ("trainer.io", "trainer.shipped", "trainer.codec", "trainer.data", "trainer.console", "trainer.threads",
-              "trainer.errors", "trainer.faults", "trainer.startup", "trainer.chat")),
+              "trainer.errors", "trainer.faults", "trainer.startup", "trainer.chat", "trainer.packing")),
     ("ops", ("trainer.ops",)),
     ("models", ("trainer.models",)),
     ("precision", ("trainer.precision",)),

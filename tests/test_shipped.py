@@ -102,7 +102,7 @@ def test_a_mistyped_name_exits_2_with_a_did_you_mean(args, near, tmp_path, capsy
     code, out, err = _main_in(tmp_path, capsys, *args)
     assert code == 2, (out, err)
     assert near in err
-    assert "gpt2-small, gpt2-small-ddp, llama-1b, llama-8b-long, tiny" in err
+    assert "gpt2-small, gpt2-small-ddp, llama-1b, llama-8b-long, sft-llama-1b, sft-tiny, tiny" in err
     assert "Traceback" not in err
 
 

@@ -171,7 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sa = sub.add_parser("sample", help="generate text from a run's last checkpoint")
     sa.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.yaml and checkpoints/)")
-    sa.add_argument("--prompt", default="", help="text to continue (default: none, start from EOS / a newline)")
+    sa.add_argument(
+        "--prompt",
+        default="",
+        help="text to continue (default: none, start from EOS / a newline); on chat data, a user's turn to answer",
+    )
+    sa.add_argument("--raw", action="store_true", help="on chat data, continue --prompt as text, without the template")
     tokens = _number(int, "a positive number of tokens to generate", least=1)
     sa.add_argument("--tokens", type=tokens, default=200, help="tokens to generate (default 200)")
     temperature = _number(float, "a finite number, 0 (greedy) or more", least=0)

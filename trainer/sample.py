@@ -39,8 +39,18 @@ def main(args) -> int:
     model = _run_model(cfg, run)
     meta = checkpoint.load_model_weights(path, model)
     model.to(device).eval()
-    context = codec.encode(args.prompt) if args.prompt else _start(codec)
-    console.info(f"sampling {args.tokens} tokens from {path} (step {meta.get('step')})", stderr=True)
+    chat = None if args.raw or not args.prompt else chat_template(cfg.data.path)
+    if chat is not None:  # the prompt is a user's turn; the reply is the assistant's
+        from trainer.chat import render
+
+        turn = render(chat[0], [{"role": "user", "content": args.prompt}], add_generation_prompt=True, **chat[1])
+        context = codec.encode(turn, special=True)
+    else:
+        context = codec.encode(args.prompt) if args.prompt else _start(codec)
+    how = (
+        f", the prompt as a user's turn of {Path(cfg.data.path).name}'s chat template (--raw: as text)" if chat else ""
+    )
+    console.info(f"sampling {args.tokens} tokens from {path} (step {meta.get('step')}){how}", stderr=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     new = generate(
         model,
@@ -55,8 +65,46 @@ def main(args) -> int:
     if codec.eos_id is not None and codec.eos_id in new:
         new = new[: new.index(codec.eos_id)]
         console.info(f"stopped at the end-of-text token after {len(new)} tokens", stderr=True)
-    console.info(args.prompt + continuation(codec, context, new))
+    if chat is None:
+        console.info(args.prompt + continuation(codec, context, new))
+        return 0
+    end = end_of_turn(*chat)
+    stop = codec.encode(end, special=True) if end else []
+    cut = len(stop) == 1 and stop[0] in new  # one token (a special one): cut the ids there
+    new = new[: new.index(stop[0])] if cut else new
+    reply = continuation(codec, context, new)
+    if end and end in reply:  # several tokens: cut the text
+        reply, cut = reply[: reply.index(end)], True
+    if cut:
+        console.info(f"stopped at the end of the assistant's turn ({end})", stderr=True)
+    console.info(reply.strip("\n"))
     return 0
+
+
+def chat_template(data_path: str | None) -> tuple[str, dict] | None:
+    """The chat template (and its variables) that ``trainer prepare`` wrote beside chat data; None for other data."""
+    from trainer.data import META, _data_path
+
+    d = _data_path(data_path)
+    if d is None or not d.is_dir() or not (d / META).is_file():
+        return None
+    meta = json.loads((d / META).read_text())
+    name = meta.get("chat_template")
+    if meta.get("format") != "chat" or not isinstance(name, str) or not (d / name).is_file():
+        return None
+    return (d / name).read_text(), dict(meta.get("chat_template_variables") or {})
+
+
+def end_of_turn(template: str, variables: dict) -> str:
+    """The text a template puts after an assistant's message (ChatML's ``<|im_end|>``), stripped; "" if none."""
+    from trainer.chat import render
+
+    user = [{"role": "user", "content": "u"}]
+    head = render(template, user, add_generation_prompt=True, **variables)
+    full = render(template, [*user, {"role": "assistant", "content": "\x00"}], **variables)
+    if not full.startswith(head) or "\x00" not in full:
+        return ""
+    return full[full.index("\x00") + 1 :].strip()
 
 
 def run_config(run: Path, command: str):
