@@ -265,7 +265,14 @@ def batches(plan: plan_rules.Plan, corpus, env):
         skip=cfg.train.skip_batches,
     )
     if corpus.documents is not None:  # instruction data: whole documents packed, a document mask, a loss mask
-        return PackedBatches(*corpus.documents, filler=corpus.eos_id or 0, **common)
+        packed = PackedBatches(*corpus.documents, filler=corpus.eos_id or 0, **common)
+        docs, T = corpus.documents[0], cfg.data.seq_len
+        split = f"; {n:,} longer than data.seq_len are cut into pieces of {T}" if (n := docs.split_documents(T)) else ""
+        console.info(
+            f"data: {len(docs.starts) - 1:,} documents packed into {packed.train.sequences_per_epoch():,} sequences "
+            f"an epoch, {packed.train.fill():.1%} of their tokens documents'{split}"
+        )
+        return packed
     return Batches(corpus, positions=context_positions(plan.strategy.mesh, env.rank, cfg.data.seq_len), **common)
 
 

@@ -125,8 +125,8 @@ def document_mask(
     kind = "flex" if device.type == "cuda" else "dense"
     how = "FlexAttention's block mask" if kind == "flex" else "SDPA with a dense mask: FlexAttention trains on CUDA"
     return kind, (
-        f"data: {fmt} documents packed into sequences of data.seq_len, each attending to itself only ({how}); the "
-        "loss is per target token of the global batch"
+        f"data: {fmt} documents packed into sequences of data.seq_len, each attending to itself only ({how}; "
+        "trainer's causal-attention substitution steps aside); the loss is per target token of the global batch"
     )
 
 
