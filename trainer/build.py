@@ -346,7 +346,19 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
         fallback=eager_fallback(raw_model, plan, env, opt=opt),
         sync=sync.of(model, plan),
         weighted=plan.documents is not None,
+        eval_model=_eval_model(raw_model, plan),
     )
+
+
+def _eval_model(raw_model: nn.Module, plan: plan_rules.Plan) -> nn.Module | None:
+    """What the evaluation calls in place of the compiled model (None: the compiled model): the model uncompiled under
+    FlexAttention's document mask. torch 2.11's compiled inference graph of a model with FlexAttention inside (the
+    evaluation's, under no_grad) stops on an H200 with an illegal memory access in the attention kernel, with or
+    without Inductor's prologue fusion; uncompiled, transformers compiles the attention alone, and it runs."""
+    if plan.documents != "flex" or not plan.compiled:
+        return None
+    console.info("evaluation: the model uncompiled (compiled FlexAttention fails in torch 2.11's inference graphs)")
+    return raw_model
 
 
 def compile_watcher(plan: plan_rules.Plan, model: nn.Module | None = None):

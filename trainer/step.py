@@ -188,6 +188,7 @@ class TrainStep:
         sync: how the gradients reach the other ranks (:mod:`trainer.distributed.sync`); None: one process.
         weighted: each micro-batch ends with its weight, which its loss is multiplied by in place of
             ``1 / grad_accum`` (packed documents: :mod:`trainer.packing`).
+        eval_model: what :meth:`evaluate` calls in place of ``model`` (None: ``model``).
     """
 
     def __init__(
@@ -208,9 +209,10 @@ class TrainStep:
         fallback: Callable | None = None,
         sync: GradSync | None = None,
         weighted: bool = False,
+        eval_model: nn.Module | None = None,
     ):
         self.model, self.raw_model, self.opt, self.env = model, raw_model, opt, env
-        self.weighted = weighted
+        self.weighted, self.eval_model = weighted, eval_model
         self.sync = sync or NoSync()
         self.accum, self.grad_clip = grad_accum, grad_clip
         self.graphed = graphed and env.device.type == "cuda"
@@ -290,13 +292,15 @@ class TrainStep:
     @torch.no_grad()
     def evaluate(self, batch_of: BatchOf, n_batches: int) -> float:
         """The mean loss over ``batch_of(0) ... batch_of(n_batches - 1)`` in eval mode, averaged over ranks."""
-        self.model.eval()
+        model = self.eval_model or self.model
+        model.eval()
         total = torch.zeros((), device=self.env.device)
         for i in range(n_batches):
             batch, weight = self._split(batch_of(i))  # (x, y[, positions]), the weight or None
             with self.autocast or contextlib.nullcontext():
-                loss = loss_of(self.model(*batch)).float()
+                loss = loss_of(model(*batch)).float()
             total += loss if weight is None else loss * weight
+        model.train()
         self.model.train()
         return dist_env.all_reduce_mean(total / n_batches, self.env).item()
 
