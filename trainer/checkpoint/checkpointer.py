@@ -128,10 +128,11 @@ def _onto(obj: Any, device: torch.device, moved: dict[int, torch.UntypedStorage]
     thread reading ahead (:class:`ReadAhead`) leaves the main thread to build."""
     if isinstance(obj, torch.Tensor):
         src = obj.untyped_storage()
-        if src.data_ptr() not in moved:
-            moved[src.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(src).to(device).untyped_storage()
+        if (key := src.data_ptr()) not in moved:
+            whole = torch.empty(0, dtype=torch.uint8, device="cpu").set_(src)  # the storage's bytes
+            moved[key] = whole.to(device).untyped_storage()
         out = torch.empty(0, dtype=obj.dtype, device=device)
-        return out.set_(moved[src.data_ptr()], obj.storage_offset(), obj.size(), obj.stride())
+        return out.set_(moved[key], obj.storage_offset(), obj.size(), obj.stride())
     if isinstance(obj, dict):  # in place: a state dict's _metadata (its modules' versions) stays
         for key, value in obj.items():
             obj[key] = _onto(value, device, moved)
