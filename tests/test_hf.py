@@ -291,6 +291,24 @@ def test_pretrained_loads_the_weights(dirs, tmp_path):
     assert len(small.hf.model.layers) == 1 and small.hf.lm_head.out_features == 300
 
 
+def test_a_pretrained_run_resumes_without_reading_the_weights_again(dirs, tmp_path):
+    """model.pretrained=true: a resume's checkpoint holds every weight, so the pretrained ones are not read again (here
+    they are gone by then, which a read would stop on) and the run continues as the straight run, bit for bit."""
+    model_dir = tmp_path / "model"
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    straight = _fit(*_overrides(model_dir, tmp_path / "straight", dirs, "model.pretrained=true"))[2]
+    run = tmp_path / "run"
+    Trainer(load_config(None, _overrides(model_dir, run, dirs, "model.pretrained=true", "train.stop_at=6"))).fit()
+    weights = list(model_dir.glob("*.safetensors"))
+    assert weights
+    for f in weights:
+        f.unlink()
+    Trainer(load_config(None, _overrides(model_dir, run, dirs, "model.pretrained=true")), resume="last").fit()
+    resumed = losses(run)
+    assert [resumed[s] for s in range(7, STEPS + 1)] == [straight[s] for s in range(7, STEPS + 1)]
+
+
 def _cli(capsys, *argv):
     from trainer.cli import main
 

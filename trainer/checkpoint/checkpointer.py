@@ -120,7 +120,7 @@ def _load_file(path: Path, device: torch.device) -> Any:
     return loaded if device.type == "cpu" else _onto(loaded, device, {})
 
 
-def _onto(obj: Any, device: torch.device, moved: dict[int, torch.UntypedStorage]) -> Any:
+def _onto(obj: Any, device: torch.device, moved: dict[tuple[int, int], torch.UntypedStorage]) -> Any:
     """``obj`` (containers of CPU tensors, changed in place) with its tensors on ``device``, as
     ``torch.load(map_location=device)`` gives them: each storage copied once, whole, and its tensors rebuilt on the
     copy with their offsets and strides (tied weights still share one). The copy is ``Tensor.to``'s, which lets the
@@ -128,7 +128,7 @@ def _onto(obj: Any, device: torch.device, moved: dict[int, torch.UntypedStorage]
     thread reading ahead (:class:`ReadAhead`) leaves the main thread to build."""
     if isinstance(obj, torch.Tensor):
         src = obj.untyped_storage()
-        if (key := src.data_ptr()) not in moved:
+        if (key := (src.data_ptr(), src.nbytes())) not in moved:
             whole = torch.empty(0, dtype=torch.uint8, device="cpu").set_(src)  # the storage's bytes
             moved[key] = whole.to(device).untyped_storage()
         out = torch.empty(0, dtype=obj.dtype, device=device)
