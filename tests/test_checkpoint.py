@@ -4,6 +4,7 @@ intact one in pruning. Runs through `trainer fit` (resume, faults, fsdp, sharded
 optimizer) are in test_fit.py, test_faults.py, test_distributed.py, test_fsdp_optim.py and test_shard_optimizer.py.
 """
 
+import collections
 import json
 import os
 import random
@@ -18,8 +19,8 @@ import torch
 
 from tests.conftest import ROOT
 from trainer import build, plan
-from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, CheckpointError, integrity
-from trainer.checkpoint.checkpointer import _load_failure
+from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, CheckpointError, ReadAhead, integrity, rundir
+from trainer.checkpoint.checkpointer import _load_failure, _onto
 from trainer.checkpoint.states import RNGState, TrainState, run_states
 from trainer.config import load_config, to_dict
 from trainer.data import load_corpus
@@ -36,14 +37,15 @@ FIXTURE_ARGS = ["model.n_layer=1", "model.n_head=1", "model.n_embd=4", "data.seq
 ENV = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
 
 
-def _parts(run_dir: Path, *overrides: str):
-    """The states and config of a run of FIXTURE_ARGS in ``run_dir``, built as trainer.loop builds them (fresh)."""
+def _parts(run_dir: Path, *overrides: str, resume: bool = False):
+    """The states and config of a run of FIXTURE_ARGS in ``run_dir``, built as trainer.loop builds them (fresh, or
+    for a ``resume``: the model uninitialised)."""
     resolved = plan.resolve(load_config("configs/tiny.yaml", [*FIXTURE_ARGS, *overrides, f"run.dir={run_dir}"]), ENV)
     cfg = resolved.cfg
     build.set_up_process(cfg, ENV.device)
     corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                          dtype=cfg.data.dtype)  # fmt: skip
-    model = build.make_model(resolved, corpus.vocab_size, ENV)
+    model = build.make_model(resolved, corpus.vocab_size, ENV, resume=resume)
     opt = build.make_optimizer(model, resolved.placed(model))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
     batches = build.batches(resolved, corpus, ENV)
@@ -136,6 +138,73 @@ def test_states_round_trip(tmp_path, capsys):
     for name, state in other.items():
         _assert_same(state.state_dict(), saved[name], name)
     assert isinstance(other["train"], TrainState)
+
+
+def test_a_checkpoint_read_ahead_while_the_run_builds_restores_as_a_read_at_the_restore(tmp_path):
+    """trainer.loop starts a ReadAhead of the chosen checkpoint before it builds the run, the model uninitialised
+    (make_model's resume), and the restore takes what the thread read: every state equals that of a run built
+    fresh that reads the checkpoint at its restore."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run / "checkpoints" / "step_000003")
+    spec = str(run / "checkpoints" / "step_000003")
+    ahead = ReadAhead(spec, run, ENV)
+    states, cfg, *_ = _parts(run, resume=True)
+    assert _checkpointer(states, cfg).begin(rundir.Start(resume=spec, asked=spec), ahead).step == 3
+    other, cfg_b, *_ = _parts(tmp_path / "b")
+    assert _checkpointer(other, cfg_b).restore(spec) == 3
+    for name, state in other.items():
+        _assert_same(states[name].state_dict(), state.state_dict(), name)
+
+
+def test_a_read_ahead_that_fails_raises_in_the_restore(tmp_path):
+    """The thread's failure (here a truncated model.pt) is raised where the restore takes the files, in the main
+    thread, as the CheckpointError a restore that reads them itself raises; nothing is raised before."""
+    run = tmp_path / "run"
+    path = run / "checkpoints" / "step_000003"
+    shutil.copytree(FIXTURE, path)
+    data = (path / "model.pt").read_bytes()
+    (path / "model.pt").write_bytes(data[: len(data) // 2])
+    ahead = ReadAhead(str(path), run, ENV)
+    states, cfg, *_ = _parts(run, resume=True)
+    with pytest.raises(CheckpointError) as by_thread:
+        _checkpointer(states, cfg).restore(str(path), ahead=ahead)
+    with pytest.raises(CheckpointError) as by_restore:
+        _checkpointer(states, cfg).restore(str(path))
+    assert str(by_thread.value) == str(by_restore.value) and "model.pt" in str(by_thread.value)
+
+
+@pytest.mark.gpu
+def test_a_checkpoint_read_ahead_onto_cuda_holds_the_files_tensors():
+    """On CUDA the thread copies the files' tensors to the device (Tensor.to, which lets the GIL go): the same
+    values as the files hold, on the device; the RNG file's stay on the host."""
+    from torch.utils._pytree import tree_map
+
+    from trainer.checkpoint import read
+
+    cuda = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cuda"), backend=None)
+    path, saved = ReadAhead(str(FIXTURE), FIXTURE.parent, cuda).result()
+    assert path == FIXTURE
+    assert {t.device.type for t in saved["model"].values()} == {"cuda"}
+    assert (
+        saved["optimizer"]["state"][0]["exp_avg"].device.type == "cuda" and saved["rng"]["torch"].device.type == "cpu"
+    )
+    on_host = read(FIXTURE, rank=0, device=torch.device("cpu"))
+    _assert_same(tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, saved), on_host)
+
+
+def test_states_moved_to_a_device_keep_their_shared_storages_and_metadata():
+    """_onto (the read on CUDA, here onto the meta device): each storage moved once, its tensors rebuilt with their
+    offsets and strides (a tied weight and a view still share it), a state dict's _metadata kept."""
+    w = torch.randn(4, 3)
+    state = collections.OrderedDict(a=w, tied=w, view=w[1:].t(), other=torch.ones(2), groups=[{"betas": (0.9, 0.95)}])
+    state._metadata = {"": {"version": 1}}
+    out = _onto(state, torch.device("meta"), {})
+    assert out is state and out._metadata == {"": {"version": 1}} and out["groups"] == [{"betas": (0.9, 0.95)}]
+    assert all(out[k].device.type == "meta" for k in ("a", "tied", "view", "other"))
+    layout = {k: (out[k].shape, out[k].stride(), out[k].storage_offset()) for k in ("a", "view")}
+    assert layout == {"a": ((4, 3), (3, 1), 0), "view": ((3, 3), (1, 3), 3)}
+    storage = {k: out[k].untyped_storage()._cdata for k in ("a", "tied", "view", "other")}
+    assert storage["a"] == storage["tied"] == storage["view"] != storage["other"]
 
 
 def test_fsdp_storage_refuses_a_checkpoint_of_whole_tensors(tmp_path):

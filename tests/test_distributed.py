@@ -429,7 +429,7 @@ def test_explain_under_torchrun_prints_the_plan_once(tmp_path):
 
 
 def test_parameters_on_meta_keeps_what_a_model_set_on_a_parameter():
-    from trainer.distributed.fsdp import parameters_on_meta
+    from trainer.models.no_init import parameters_on_meta
 
     class Tagged(torch.nn.Module):
         def __init__(self):

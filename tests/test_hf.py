@@ -124,17 +124,34 @@ def test_tied_embeddings_stay_tied_through_training_and_checkpoints(runs):
     assert torch.equal(saved["hf.lm_head.weight"], model.hf.lm_head.weight.detach())
 
 
-def test_resume_continues_exactly(runs, dirs, tmp_path):
-    """Stopped at step 6 with a checkpoint, resumed to 12: the straight run's losses, bit for bit (tied GPT-2)."""
-    cfg = load_config(None, _overrides(dirs.gpt2, tmp_path, dirs, "train.stop_at=6"))
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_resume_continues_exactly(name, runs, dirs, tmp_path, monkeypatch):
+    """Stopped at step 6 with a checkpoint, resumed to 12: the straight run's losses, bit for bit. The resume builds
+    the model without initialising it (trainer.models.no_init): the checkpoint fills every parameter, and the
+    buffers it does not hold (Llama's rotary inv_freq, non-persistent) are computed as a fresh build computes them.
+    GPT-2's head stays tied to its token table."""
+    from trainer.models import no_init
+
+    cfg = load_config(None, _overrides(getattr(dirs, name), tmp_path, dirs, "train.stop_at=6"))
     Trainer(cfg).fit()
     assert sorted(losses(tmp_path)) == list(range(1, 7))
-    cfg = load_config(None, _overrides(dirs.gpt2, tmp_path, dirs))
+    built, original = [], no_init.build_without_init
+    monkeypatch.setattr(no_init, "build_without_init", lambda build: built.append(original(build)) or built[-1])
+    cfg = load_config(None, _overrides(getattr(dirs, name), tmp_path, dirs))
     trainer = Trainer(cfg, resume="last")
     trainer.fit()
-    straight, resumed = runs["gpt2"].losses, losses(tmp_path)
+    assert len(built) == 1 and built[0][0] is trainer.raw_model and built[0][1] is None  # no init, no fallback
+    straight, resumed = runs[name].losses, losses(tmp_path)
     assert [resumed[s] for s in range(7, STEPS + 1)] == [straight[s] for s in range(7, STEPS + 1)]
-    assert trainer.raw_model.hf.lm_head.weight is trainer.raw_model.hf.transformer.wte.weight
+    buffers = dict(runs[name].model.named_buffers())
+    assert buffers.keys() == dict(trainer.raw_model.named_buffers()).keys()
+    assert all(torch.equal(b, buffers[n]) for n, b in trainer.raw_model.named_buffers()), name
+    if name == "llama":
+        rotary = trainer.raw_model.hf.model.rotary_emb
+        assert "model.rotary_emb.inv_freq" not in trainer.raw_model.hf.state_dict()  # not in the checkpoint
+        assert torch.equal(rotary.original_inv_freq, runs[name].model.hf.model.rotary_emb.original_inv_freq)
+    else:
+        assert trainer.raw_model.hf.lm_head.weight is trainer.raw_model.hf.transformer.wte.weight
 
 
 def test_flops_per_token_counts_as_the_builtin_gpt_does(runs):
@@ -272,6 +289,24 @@ def test_pretrained_loads_the_weights(dirs, tmp_path):
     # hf_overrides change the config before the model is built.
     small = build_hf_model(str(dirs.llama), overrides={"num_hidden_layers": 1, "vocab_size": 300})
     assert len(small.hf.model.layers) == 1 and small.hf.lm_head.out_features == 300
+
+
+def test_a_pretrained_run_resumes_without_reading_the_weights_again(dirs, tmp_path):
+    """model.pretrained=true: a resume's checkpoint holds every weight, so the pretrained ones are not read again (here
+    they are gone by then, which a read would stop on) and the run continues as the straight run, bit for bit."""
+    model_dir = tmp_path / "model"
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    straight = _fit(*_overrides(model_dir, tmp_path / "straight", dirs, "model.pretrained=true"))[2]
+    run = tmp_path / "run"
+    Trainer(load_config(None, _overrides(model_dir, run, dirs, "model.pretrained=true", "train.stop_at=6"))).fit()
+    weights = list(model_dir.glob("*.safetensors"))
+    assert weights
+    for f in weights:
+        f.unlink()
+    Trainer(load_config(None, _overrides(model_dir, run, dirs, "model.pretrained=true")), resume="last").fit()
+    resumed = losses(run)
+    assert [resumed[s] for s in range(7, STEPS + 1)] == [straight[s] for s in range(7, STEPS + 1)]
 
 
 def _cli(capsys, *argv):

@@ -168,3 +168,57 @@ def test_a_nanogpt_layout_state_dict_computes_the_same_model():
         got = attn(model.transformer.h[0].ln_1(h))
         assert torch.allclose(got, want.detach(), rtol=0, atol=1e-6)  # observed: equal (the same ops on each head)
         assert torch.equal(model(x), src(x))  # and the whole model is the one the state dict came from
+
+
+def test_a_model_built_without_init_draws_nothing_and_keeps_its_buffers_and_ties():
+    """build_without_init (a resume's build): every parameter on the CPU, uninitialised; the random stream untouched
+    (the initialisation ran on meta tensors); the buffers as a usual build computes them; the tied head is the token
+    table."""
+    from trainer.models.no_init import build_without_init
+
+    def gpt():
+        return build_model(preset=None, vocab_size=256, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+
+    torch.manual_seed(0)
+    model, why = build_without_init(gpt)
+    drawn_after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(drawn_after, torch.rand(1))
+    torch.manual_seed(0)
+    gpt()
+    assert not torch.equal(drawn_after, torch.rand(1))  # a usual build draws ~25K numbers first
+    assert why is None and isinstance(model, type(gpt()))
+    assert all(p.device.type == "cpu" and isinstance(p, torch.nn.Parameter) for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert {n for n, _ in model.named_parameters()} == {n for n, _ in gpt().named_parameters()}
+    usual = dict(gpt().named_buffers())
+    assert {n: b.tolist() for n, b in model.named_buffers()} == {n: b.tolist() for n, b in usual.items()}
+
+
+def test_a_model_that_computes_from_a_parameter_while_built_is_built_as_usual():
+    """A buffer or a tensor attribute computed from a parameter would stay on the meta device, and an __init__ that
+    reads a value fails there: build_without_init says so (the caller builds the model as usual)."""
+    from trainer.models.no_init import build_without_init
+
+    class NormBuffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+            self.register_buffer("norm", self.w.detach().norm(), persistent=False)
+
+    class NormAttribute(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+            self.scale = self.w.detach() * 2
+
+    class ReadsValue(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+            self.k = int(self.w.sum().item() > 0)
+
+    assert build_without_init(NormBuffer) == (None, "norm is computed from a parameter while the model is built")
+    assert build_without_init(NormAttribute) == (None, "scale is computed from a parameter while the model is built")
+    model, why = build_without_init(ReadsValue)
+    assert model is None and why.startswith("it cannot be built with its parameters on the meta device (")

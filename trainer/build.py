@@ -19,14 +19,17 @@ from trainer.config import Config, ConfigError
 from trainer.distributed.fsdp import is_sharded
 
 
-def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
+def make_model(plan: plan_rules.Plan, vocab_size: int, env=None, resume: bool = False) -> nn.Module:
     """The model the plan's config describes (the built-in GPT, ``model.target``'s, or the
     Hugging Face causal LM of ``model.hf``, whose vocabulary must hold ``vocab_size``: the data's), on the plan's
     device.
 
     A model trained from scratch on a CUDA device is built on it, where its random initialization takes
     milliseconds (an 8B model's takes about a minute on the host's single random-number stream); one that does
-    not fit there is built on the host. A pretrained model is loaded on the host and moved.
+    not fit there is built on the host. A pretrained model is loaded on the host and moved. On a ``resume``, whose
+    checkpoint overwrites every parameter, the parameters are left uninitialised and no pretrained weights are read
+    (:func:`trainer.models.no_init.build_without_init`; a model that cannot be built so is built as usual, and says
+    why).
     Under fsdp on several ranks (``env``) rank 0 builds it so and every other rank with its parameters on the meta
     device; :func:`shard` moves the shards to the device and fills them from rank 0's values.
 
@@ -37,23 +40,31 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
         ValueError: the model cannot be built, has no trainable parameters, or cannot take the data's sequences or
             token ids.
     """
-    from trainer.distributed.fsdp import parameters_on_meta
+    from trainer.models.no_init import build_without_init, parameters_on_meta
 
     cfg, device = plan.cfg, plan.device
     m = cfg.model
     check_attention(cfg, device, plan.autocast)
     fsdp = plan.strategy.fsdp
+    pretrained = m.pretrained and not resume  # a resume's checkpoint holds every weight
     if plan.precision == "fp8":
         from trainer.precision import fp8
 
         fp8.check_available(device)  # before anything is built: exit 2 where float8 cannot run
 
     def build(pretrained: bool) -> nn.Module:
-        return build_model_of(cfg, vocab_size, pretrained)
+        if resume:
+            model, why = build_without_init(lambda: build_model_of(cfg, vocab_size, False))
+            if model is not None:
+                return model
+        model = build_model_of(cfg, vocab_size, pretrained)
+        if resume:
+            console.info(f"resume: the model's parameters were initialised before the checkpoint's load: {why}")
+        return model
 
     def whole() -> nn.Module:  # one process's model, or rank 0's
-        if m.pretrained or device.type != "cuda":
-            return build(m.pretrained)
+        if pretrained or device.type != "cuda":
+            return build(pretrained)
         try:
             with torch.device(device):
                 return build(False)
@@ -77,14 +88,14 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None) -> nn.Module:
         return ready(whole())
     try:
         with parameters_on_meta():
-            model = build(False)  # the weights are rank 0's to read
+            model = build_model_of(cfg, vocab_size, False)  # the weights are rank 0's to read
     except Exception as e:  # a model whose __init__ computes with its parameters' values; a config error fails again
         console.warn(
             f"fsdp: rank {env.rank} could not build the model with its parameters on the meta device "
             f"({type(e).__name__}: {e}); building it whole",
             every_rank=True,
         )
-        model = build(False)
+        model = build_model_of(cfg, vocab_size, False)
     with console.quiet():  # rank 0 says it for all
         return ready(model)
 

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from trainer import build, console, describe, memory, plan
-from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, rundir
+from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, ReadAhead, rundir
 from trainer.checkpoint.states import CompileCache, run_states
 from trainer.compile import cache
 from trainer.config import Config, to_dict
@@ -62,7 +62,8 @@ class Trainer:
             dist_env.teardown(env, failed=sys.exc_info()[0] is not None)  # an exception on its way out
 
     def _fit(self, env: dist_env.DistEnv, signals: dist_env.StopSignals, start: rundir.Start) -> dict:
-        # Every auto, once, and the mesh built: a resume keeps its checkpoint's global batch.
+        # A resume's files read while the run builds; every auto once, the mesh built (a resume keeps its batch).
+        ahead = ReadAhead(start.resume, Path(self.cfg.run.dir), env) if start.resume else None
         resolved = plan.resolve(self.cfg, env, plan.SavedBatch.read(start.resume)).with_device_mesh()
         cfg, run_dir, record = resolved.cfg, Path(resolved.cfg.run.dir), to_dict(resolved.run_config())  # config.yaml's
         threads = build.set_up_process(cfg, env.device)  # the seeds, torch's threads
@@ -70,7 +71,7 @@ class Trainer:
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip
         batches = build.batches(resolved, corpus, env)
-        self.raw_model = raw_model = build.make_model(resolved, corpus.vocab_size, env)
+        self.raw_model = raw_model = build.make_model(resolved, corpus.vocab_size, env, resume=ahead is not None)
         self.plan = resolved = resolved.placed(raw_model)  # the bucket plan or the FSDP units
         if env.is_main:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -81,13 +82,12 @@ class Trainer:
         if resolved.strategy.fsdp:
             build.shard(raw_model, resolved, env)
         opt = build.make_optimizer(raw_model, resolved)  # shard_optimizer: parameters moved into buckets
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, build.lr_lambda(cfg))
-        scaler = build.grad_scaler(resolved.autocast, env.device)
+        sched, scaler = LambdaLR(opt, build.lr_lambda(cfg)), build.grad_scaler(resolved.autocast, env.device)
         states = run_states(raw_model, opt, sched, scaler, batches, lr=cfg.optim.lr, device=env.device)
         storage, sides = DCP if resolved.strategy.fsdp else TORCH_SAVE, [CompileCache()] if compiling else []
         ckpts = Checkpointer(states, storage, run_dir, env, config=record, keep=cfg.checkpoint.keep, beside=sides,
                              background=resolved.async_save)  # fmt: skip
-        progress = ckpts.begin(start)  # the step and tokens seen: resumed (resume=auto: if there is a checkpoint), or 0
+        progress = ckpts.begin(start, ahead)  # the step and tokens seen: resumed (resume=auto: if a checkpoint), or 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
                           tensorboard=cfg.log.tensorboard, start_step=progress.step)  # fmt: skip

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,9 +114,33 @@ def _load_file(path: Path, device: torch.device) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file missing: {path}")
     try:
-        return torch.load(path, map_location=device, weights_only=True, mmap=True)  # no read into fresh memory first
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # no read into fresh memory first
     except Exception as e:  # noqa: BLE001 - every failure to read is the same user error: a bad file
         raise CheckpointError(f"cannot load checkpoint file {path}: {_load_failure(e)}") from None
+    return loaded if device.type == "cpu" else _onto(loaded, device, {})
+
+
+def _onto(obj: Any, device: torch.device, moved: dict[tuple[int, int], torch.UntypedStorage]) -> Any:
+    """``obj`` (containers of CPU tensors, changed in place) with its tensors on ``device``, as
+    ``torch.load(map_location=device)`` gives them: each storage copied once, whole, and its tensors rebuilt on the
+    copy with their offsets and strides (tied weights still share one). The copy is ``Tensor.to``'s, which lets the
+    GIL go while it reads the file's pages and copies them (a storage's own ``copy_``, torch.load's, holds it): a
+    thread reading ahead (:class:`ReadAhead`) leaves the main thread to build."""
+    if isinstance(obj, torch.Tensor):
+        src = obj.untyped_storage()
+        if (key := (src.data_ptr(), src.nbytes())) not in moved:
+            whole = torch.empty(0, dtype=torch.uint8, device="cpu").set_(src)  # the storage's bytes
+            moved[key] = whole.to(device).untyped_storage()
+        out = torch.empty(0, dtype=obj.dtype, device=device)
+        return out.set_(moved[key], obj.storage_offset(), obj.size(), obj.stride())
+    if isinstance(obj, dict):  # in place: a state dict's _metadata (its modules' versions) stays
+        for key, value in obj.items():
+            obj[key] = _onto(value, device, moved)
+    elif isinstance(obj, list):
+        obj[:] = [_onto(v, device, moved) for v in obj]
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(_onto(v, device, moved) for v in obj)
+    return obj
 
 
 def _load_failure(e: Exception, most: int = 400) -> str:
@@ -175,6 +201,69 @@ def read(path: Path, *, rank: int, device: torch.device) -> dict[str, Any]:
     if rng_path.exists():
         saved["rng"] = _load_file(rng_path, torch.device("cpu"))
     return saved
+
+
+class ReadAhead:
+    """The files of the checkpoint ``resume=spec`` names (:func:`read`), read by a thread from the moment the
+    checkpoint is chosen, while the run builds its model and optimizer; :meth:`Checkpointer.restore` takes them
+    (:meth:`result`), or raises in the main thread what the thread raised.
+
+    On CUDA the thread also copies them to the device, the restore's longest part (11.7 GB of a 1B model's state);
+    the build it overlaps is mostly Python (imports, the model's construction), which holds the GIL that the copies
+    let go. On the CPU the tensors stay mapped from the files, as the restore reads them; the thread asks the kernel
+    to read the files into its page cache meanwhile (a first read from disk). A DCP checkpoint's shards are read
+    into the states once they exist, by the restore. Nothing is written: a crash loses nothing.
+
+    Args:
+        spec: ``start.resume`` (:func:`trainer.checkpoint.rundir.claim`'s choice: a checkpoint's path).
+        run_dir: the run directory (where ``last`` is looked up).
+        env: this rank's rank and device.
+    """
+
+    def __init__(self, spec: str, run_dir: Path, env: DistEnv):
+        self.spec = spec
+        self._out: tuple[Path, dict[str, Any]] | BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._read, args=(run_dir, env), name="checkpoint-read-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _read(self, run_dir: Path, env: DistEnv) -> None:
+        try:
+            if env.device.type == "cuda":
+                torch.cuda.set_device(env.device)  # a thread starts on device 0
+            path = resolve(self.spec, run_dir)
+            for name in ("model.pt", "optim.pt"):
+                _will_need(path / name)
+            self._out = path, read(path, rank=env.rank, device=env.device)
+        except BaseException as e:  # noqa: BLE001 - the main thread raises it, in result()
+            self._out = e
+
+    def result(self) -> tuple[Path, dict[str, Any]]:
+        """``(the checkpoint's path, its state dicts)`` once the thread is done: :func:`read`'s answer. Once only:
+        the state dicts are the caller's, freed with its use of them.
+
+        Raises:
+            CheckpointError: as :func:`read` and :func:`~trainer.checkpoint.integrity.resolve` do, and whatever else
+                the thread raised.
+        """
+        self._thread.join()
+        out, self._out = self._out, None
+        assert out is not None, "ReadAhead.result() is called once"
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+def _will_need(path: Path) -> None:
+    """Ask the kernel to read ``path`` into its page cache in the background (``POSIX_FADV_WILLNEED``), where it can."""
+    if not hasattr(os, "posix_fadvise") or not path.is_file():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def _save_shards(states: dict[str, Stateful], directory: Path) -> None:
@@ -378,12 +467,13 @@ class Checkpointer:
         }
         atomic_write_text(directory / META, json.dumps(meta, indent=1))
 
-    def begin(self, start: rundir.Start) -> Stateful:
-        """Start the run as ``start`` says: restore its checkpoint, or none; say how it started in one line (a
-        resume, or a fresh start under ``resume=auto`` or a torchrun restart) and record it in ``starts.jsonl``
-        (rank 0). Returns the ``train`` state (:class:`trainer.checkpoint.states.TrainState`): the run's position."""
+    def begin(self, start: rundir.Start, ahead: ReadAhead | None = None) -> Stateful:
+        """Start the run as ``start`` says: restore its checkpoint (the files ``ahead`` read, if given), or none; say
+        how it started in one line (a resume, or a fresh start under ``resume=auto`` or a torchrun restart) and
+        record it in ``starts.jsonl`` (rank 0). Returns the ``train`` state
+        (:class:`trainer.checkpoint.states.TrainState`): the run's position."""
         startup.mark("build")
-        step = self.restore(start.resume, start.headline()) if start.resume else 0
+        step = self.restore(start.resume, start.headline(), ahead) if start.resume else 0
         if start.resume and self.env.device.type == "cuda":
             torch.cuda.empty_cache()  # the loaded copies' blocks: the training's reserved memory as a fresh start's
         startup.mark("checkpoint_read")
@@ -393,15 +483,21 @@ class Checkpointer:
             rundir.record_start(self.root.parent, start, step, self.resumed, self.env.world_size)
         return self.states["train"]
 
-    def restore(self, spec: str, headline: str = "resumed from {path} at step {step}") -> int:
+    def restore(
+        self, spec: str, headline: str = "resumed from {path} at step {step}", ahead: ReadAhead | None = None
+    ) -> int:
         """Load ``resume=spec`` (``last`` or a path) into the states; returns its step. ``headline``: the line rank 0
-        says first, a template of ``{path}`` and ``{step}``.
+        says first, a template of ``{path}`` and ``{step}``. ``ahead``: its files, read ahead of this call.
 
         Raises:
             CheckpointError: a checkpoint that is missing, unreadable, or does not fit this run's config or states.
         """
-        path = resolve(spec, self.root.parent)
-        saved = read(path, rank=self.env.rank, device=self.env.device)
+        assert ahead is None or ahead.spec == spec, (ahead.spec, spec)
+        if ahead is not None:
+            path, saved = ahead.result()
+        else:
+            path = resolve(spec, self.root.parent)
+            saved = read(path, rank=self.env.rank, device=self.env.device)
         changes = compare_configs(saved.pop("config"), self.config, path)
         in_shards = (path / DCP_DIR).is_dir()
         if self.storage.sharded and not in_shards:

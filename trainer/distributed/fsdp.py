@@ -13,10 +13,10 @@ most of the step; docs/performance.md). What is not in a block (embeddings,
 final norm, head) stays with the root.
 
 The model is built whole by rank 0 alone (on its GPU, where it fits: ``trainer.build.make_model``); the other
-ranks build it with its parameters on the meta device (no memory), shard it as rank 0 does, and receive their
-shards from rank 0's parameters (:func:`parameters_on_meta`, :func:`materialize_from_rank0`). Memory at start is
-one model's, not one per rank (an 8B model is 32 GB in fp32), and every rank starts from the values a single
-process builds with the same seed.
+ranks build it with its parameters on the meta device (no memory:
+:func:`trainer.models.no_init.parameters_on_meta`), shard it as rank 0 does, and receive their shards from rank 0's
+parameters (:func:`materialize_from_rank0`). Memory at start is one model's, not one per rank (an 8B model is 32 GB
+in fp32), and every rank starts from the values a single process builds with the same seed.
 
 Checkpoints of a sharded model go through ``torch.distributed.checkpoint`` (DCP; :mod:`trainer.checkpoint`, the
 model's and optimizer's state dicts in :mod:`trainer.checkpoint.states`): each rank writes its shards, and a load
@@ -24,9 +24,6 @@ reshards to whatever the current world size is (or to whole tensors in one proce
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -66,28 +63,6 @@ def apply_fsdp(
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, reshard_after_forward=i >= kept)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """A context in which every parameter a module registers moves to the meta device: a model built inside has
-    its structure and no parameter memory. Its buffers, and tensors kept as plain attributes, are built as usual
-    (a rotary table computed from the config, say): code that reads them while building still works, and a plain
-    attribute keeps its value (the buffers are overwritten by rank 0's in :func:`materialize_from_rank0`)."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param) -> None:
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            on_meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-            on_meta.__dict__.update(param.__dict__)  # attributes a model set on it
-            module._parameters[name] = on_meta
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def full_state(model: nn.Module) -> dict:
