@@ -484,7 +484,7 @@ def test_explain_memory_on_the_cpu_prints_the_parts_and_each_mode(capsys, tmp_pa
 def test_bf16_master_weights_count_two_bytes_a_parameter_and_state():
     """optim.master_weights=bf16: the counted parameters, gradients and AdamW states against the tensors of a model
     cast as the run casts it and trainer's Triton AdamW after one step (bf16 states), exactly."""
-    from trainer.build import build_model_of, master_weights
+    from trainer.model_setup import build_model_of, master_weights
     from trainer.optim.optimizers import TritonAdamW
 
     shape = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2"]

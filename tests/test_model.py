@@ -99,8 +99,8 @@ def test_loss_of_rejects_non_scalars():
 def test_attention_backend_choice_keeps_the_math_and_unavailable_ones_fail_at_startup():
     """model.attention: a named kernel gives the same loss and gradients as torch's own choice; a kernel the
     device cannot run is a config error naming the key (before anything is compiled), not a first-step crash."""
-    from trainer.build import check_attention
     from trainer.config import ConfigError, load_config
+    from trainer.model_setup import check_attention
     from trainer.models.gpt import sdpa_backend
 
     idx = torch.randint(0, 64, (2, 16))

@@ -42,8 +42,10 @@ def test_every_shipped_config_plans_without_auto(config, env):
         env = _env(str(env.device), needs)
     doc = plan.resolve(cfg, env).as_dict()
     assert not _autos(doc), (config, _autos(doc), doc)
-    # One line per auto, grad_accum's where train.global_batch_size derives it, and a layout that needs torchrun.
-    said = ("auto: ", "train.grad_accum: ", "has no effect in a single process", "causal_attention steps aside")
+    # One line per auto, grad_accum's where train.global_batch_size derives it, a layout that needs torchrun, and
+    # how packed documents are kept apart (where the config's instruction data has been prepared).
+    said = ("auto: ", "train.grad_accum: ", "has no effect in a single process", "causal_attention steps aside",
+            "documents packed into sequences")  # fmt: skip
     assert all(any(s in line for s in said) for line in doc["choices"]), doc["choices"]
 
 
@@ -122,11 +124,11 @@ def test_every_fuzzed_config_plans_without_auto(overrides):
 def test_placed_plan_holds_the_bucket_plan_or_the_fsdp_units(strategy):
     """The plan placed on a model: ddp's buckets and fsdp's units, by module name in gradient-ready order, in
     plan.json; the functions that build them (wrap, shard, the sharded optimizer) read the same layout."""
-    from trainer import build
+    from trainer.model_setup import build_model_of
 
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"distributed.strategy={strategy}"])
     the_plan = plan.resolve(cfg, _env("cpu", 2))
-    placed = the_plan.placed(build.build_model_of(the_plan.cfg, 256, pretrained=False))
+    placed = the_plan.placed(build_model_of(the_plan.cfg, 256, pretrained=False))
     units = placed.as_dict()["units"]
     if strategy == "none":
         assert placed.units == the_plan.units == () and units == [] and placed.layout is None

@@ -185,8 +185,8 @@ def _run_model(cfg, run: Path) -> nn.Module:
     """The run's model, on the CPU, initialised at random (the checkpoint's weights replace it): the shape its
     config gives, at the vocabulary its data had. A ``model.hf`` model is built from its config, never downloaded
     weights; the attention kernel is torch's choice (``model.attention`` does not change the weights)."""
-    from trainer.build import build_model_of
     from trainer.data import data_vocab_size
+    from trainer.model_setup import build_model_of
 
     try:
         return build_model_of(cfg, data_vocab_size(cfg.data.path, cfg.data.vocab_size), False, attention="auto")

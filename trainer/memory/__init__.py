@@ -48,7 +48,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2}  # fp32 tensors per parameter; sgd: o
 
 def model_on_meta(cfg: Config, vocab_size: int) -> nn.Module:
     """The config's model with its parameters on the meta device: shapes and dtypes, no memory."""
-    from trainer.build import build_model_of
+    from trainer.model_setup import build_model_of
 
     with torch.device("meta"):
         return build_model_of(cfg, vocab_size, pretrained=False)

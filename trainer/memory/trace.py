@@ -115,7 +115,7 @@ def trace_mode(cfg: Config, vocab_size: int, mode: str, device_type: str = "cuda
 
 
 def _build(cfg: Config, vocab_size: int) -> nn.Module:
-    from trainer.build import build_model_of
+    from trainer.model_setup import build_model_of
 
     with console.quiet():
         return build_model_of(cfg, vocab_size, pretrained=False)
@@ -124,7 +124,7 @@ def _build(cfg: Config, vocab_size: int) -> nn.Module:
 def _model(cfg: Config, vocab_size: int, depth: int | None, sharded: bool = False) -> nn.Module:
     """The model with ``depth`` of its blocks (None: all), its parameters empty host tensors, shared ones still
     shared (a tied head); ``sharded``: in fsdp's ``distributed.param_dtype``."""
-    from trainer.build import master_weights
+    from trainer.model_setup import master_weights
     from trainer.models.blocks import find_blocks
 
     with torch.device("meta"):
