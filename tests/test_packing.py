@@ -102,15 +102,15 @@ def test_the_data_of_a_step_does_not_depend_on_the_ranks_and_the_weights_count_t
                 assert w.item() == pytest.approx((y != IGNORE).sum().item() * world / total, rel=1e-6)
 
 
-def _model(documents: str | None = "dense"):
+def _model(documents: str | None = "dense", attention: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer.models.hf import HFCausalLM, use_document_mask
 
     torch.manual_seed(0)
-    model = HFCausalLM(LlamaForCausalLM(LlamaConfig(**TINY))).eval()
+    model = HFCausalLM(LlamaForCausalLM(LlamaConfig(**TINY, attn_implementation=attention))).eval()
     if documents:
-        assert use_document_mask(model, documents) is None
+        assert use_document_mask(model, documents, 64) is None
     return model
 
 
@@ -140,15 +140,17 @@ def test_the_loss_of_a_pack_is_the_documents_losses_alone_per_target():
     assert packed == pytest.approx(total / count, abs=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["dense", "flex"])
-def test_a_document_changed_in_a_pack_leaves_the_others_logits_unchanged(kind):
+@pytest.mark.parametrize("kind, attention", [("dense", "sdpa"), ("dense", "eager"), ("flex", "sdpa")])
+def test_a_document_changed_in_a_pack_leaves_the_others_logits_unchanged(kind, attention):
     """Every token of one document replaced: the logits of every other document in the pack are unchanged, with
-    SDPA's dense mask and with FlexAttention's block mask (forward only: FlexAttention has no backward on the CPU).
-    Observed: equal to the bit (dense), within 1e-6 (flex: its kernel's blocks)."""
+    SDPA's dense mask, with transformers' eager attention (which adds its mask to the scores: given a boolean one,
+    it let every token see the whole sequence) and with FlexAttention's block mask (forward only: FlexAttention has
+    no backward on the CPU). Observed: equal to the bit (dense), within 1e-6 (flex: its kernel's blocks)."""
     docs = _docs([20, 15, 25], seed=4)
     batches = PackedBatches(docs, docs, seq_len=64, micro_batch_size=1, grad_accum=1, rank=0, world_size=1, seed=0,
                             device="cpu")  # fmt: skip
-    model = _model(kind)
+    model = _model(kind, attention)
+    assert model.documents == {"eager": "additive"}.get(attention, kind)
     x, _, pos, _ = batches.train_batch(0, 0)
     starts = torch.nonzero(pos[0] == 0).flatten().tolist() + [64]
     a, b = starts[1], starts[2]  # the second document of the pack
@@ -246,3 +248,40 @@ def test_the_flex_document_mask_trains_compiled_on_cuda_as_the_dense_one():
         out[kind] = loss.item(), torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
     assert out["flex"][0] == pytest.approx(out["dense"][0], abs=1e-5), out
     assert out["flex"][1] == pytest.approx(out["dense"][1], rel=1e-4), out
+
+
+def test_a_sliding_window_narrower_than_the_sequence_is_refused():
+    """A mask given to transformers replaces its sliding-window masks: a model whose window (16) is narrower than
+    data.seq_len (64) would let a long document see past it, so it is refused, naming the key and the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from trainer.models.hf import HFCausalLM, use_document_mask
+
+    model = HFCausalLM(MistralForCausalLM(MistralConfig(**TINY, sliding_window=16)))
+    with pytest.raises(ValueError, match="data.seq_len: 64.*sliding window of 16 .*at most 16"):
+        use_document_mask(model, "dense", 64)
+    assert use_document_mask(model, "dense", 16) is None
+
+
+def test_the_evaluation_under_flexattention_runs_eager_with_the_dense_mask():
+    """Packed documents under FlexAttention evaluate in trainer.build's context: no graph compiled (the compiled
+    inference graph with FlexAttention inside fails on an H200), SDPA with the dense mask (the loss of a dense
+    model, within 1e-6), and FlexAttention back after it."""
+    from torch._dynamo.testing import CompileCounter
+
+    from trainer.build import _eval_context
+
+    docs = _docs(np.random.default_rng(6).integers(5, 40, 20), seed=6)
+    batches = PackedBatches(docs, docs, seq_len=64, micro_batch_size=2, grad_accum=1, rank=0, world_size=1, seed=0,
+                            device="cpu")  # fmt: skip
+    x, y, pos, _ = batches.train_batch(0, 0)
+    flex, counter = _model("flex"), CompileCounter()
+    compiled = torch.compile(flex, backend=counter)
+    plan = type("Plan", (), {"documents": "flex"})()
+    with torch.no_grad(), _eval_context(flex, plan)():
+        assert flex.documents == "dense" and flex.hf.config._attn_implementation == "sdpa"
+        loss = compiled(x, y, pos)
+        want = _model("dense")(x, y, pos)
+    assert counter.frame_count == 0
+    assert loss.item() == pytest.approx(want.item(), abs=1e-6)
+    assert flex.documents == "flex" and flex.hf.config._attn_implementation == "flex_attention"

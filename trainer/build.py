@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -86,7 +87,7 @@ def make_model(plan: plan_rules.Plan, vocab_size: int, env=None, resume: bool = 
         if plan.documents is not None:  # packed instruction data: each document attends to itself only
             from trainer.models.hf import use_document_mask
 
-            if why := use_document_mask(model, plan.documents):
+            if why := use_document_mask(model, plan.documents, cfg.data.seq_len):
                 console.warn(why)
         return model
 
@@ -209,19 +210,30 @@ def train_step(model: nn.Module, raw_model: nn.Module, opt, scaler, plan: plan_r
         fallback=eager_fallback(raw_model, plan, env, opt=opt),
         sync=sync.of(model, plan),
         weighted=plan.documents is not None,
-        eval_model=_eval_model(raw_model, plan),
+        eval_context=_eval_context(raw_model, plan),
     )
 
 
-def _eval_model(raw_model: nn.Module, plan: plan_rules.Plan) -> nn.Module | None:
-    """What the evaluation calls in place of the compiled model (None: the compiled model): the model uncompiled under
-    FlexAttention's document mask. torch 2.11's compiled inference graph of a model with FlexAttention inside (the
-    evaluation's, under no_grad) stops on an H200 with an illegal memory access in the attention kernel, with or
-    without Inductor's prologue fusion; uncompiled, transformers compiles the attention alone, and it runs."""
-    if plan.documents != "flex" or not plan.compiled:
+def _eval_context(raw_model: nn.Module, plan: plan_rules.Plan):
+    """The context the evaluation runs in (None: none): under FlexAttention's document mask, every compiled graph
+    set aside (``torch.compiler.set_stance("force_eager")``, whatever the compile scope) and the model on SDPA with
+    the dense mask (:func:`trainer.models.hf.dense_documents`). torch 2.11's compiled inference graph of a model with
+    FlexAttention inside (the evaluation's, under no_grad) stops on an H200 with an illegal memory access in the
+    attention kernel, with or without Inductor's prologue fusion."""
+    if plan.documents != "flex":
         return None
-    console.info("evaluation: the model uncompiled (compiled FlexAttention fails in torch 2.11's inference graphs)")
-    return raw_model
+    from trainer.models.hf import dense_documents
+
+    console.info("evaluation: eager, SDPA with the dense document mask (compiled FlexAttention fails in torch 2.11's "
+                 "inference graphs)")  # fmt: skip
+
+    def context():
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        stack.enter_context(dense_documents(raw_model))
+        return stack
+
+    return context
 
 
 def compile_watcher(plan: plan_rules.Plan, model: nn.Module | None = None):

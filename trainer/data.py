@@ -314,6 +314,10 @@ def _documents(d: Path, split: str, tokens: np.ndarray) -> Documents:
             f"data.path: {d}: {mask_file.name} ({len(mask)} tokens) and {docs_file.name} do not match {split}.bin "
             f"({len(tokens)} tokens); run `trainer prepare` again"
         )
+    if len(mask) and max_token(mask) > 1:
+        raise ValueError(
+            f"data.path: {mask_file} holds values other than 0 and 1 (a target or not); run `trainer prepare` again"
+        )
     return Documents(tokens=tokens, mask=mask, starts=starts.astype(np.int64))
 
 

@@ -188,7 +188,8 @@ class TrainStep:
         sync: how the gradients reach the other ranks (:mod:`trainer.distributed.sync`); None: one process.
         weighted: each micro-batch ends with its weight, which its loss is multiplied by in place of
             ``1 / grad_accum`` (packed documents: :mod:`trainer.packing`).
-        eval_model: what :meth:`evaluate` calls in place of ``model`` (None: ``model``).
+        eval_context: a factory of the context :meth:`evaluate` runs in (packed documents under FlexAttention:
+            eager, with a dense mask), or None.
     """
 
     def __init__(
@@ -209,10 +210,10 @@ class TrainStep:
         fallback: Callable | None = None,
         sync: GradSync | None = None,
         weighted: bool = False,
-        eval_model: nn.Module | None = None,
+        eval_context: Callable | None = None,
     ):
         self.model, self.raw_model, self.opt, self.env = model, raw_model, opt, env
-        self.weighted, self.eval_model = weighted, eval_model
+        self.weighted, self.eval_context = weighted, eval_context or contextlib.nullcontext
         self.sync = sync or NoSync()
         self.accum, self.grad_clip = grad_accum, grad_clip
         self.graphed = graphed and env.device.type == "cuda"
@@ -292,15 +293,14 @@ class TrainStep:
     @torch.no_grad()
     def evaluate(self, batch_of: BatchOf, n_batches: int) -> float:
         """The mean loss over ``batch_of(0) ... batch_of(n_batches - 1)`` in eval mode, averaged over ranks."""
-        model = self.eval_model or self.model
-        model.eval()
+        self.model.eval()
         total = torch.zeros((), device=self.env.device)
-        for i in range(n_batches):
-            batch, weight = self._split(batch_of(i))  # (x, y[, positions]), the weight or None
-            with self.autocast or contextlib.nullcontext():
-                loss = loss_of(model(*batch)).float()
-            total += loss if weight is None else loss * weight
-        model.train()
+        with self.eval_context():
+            for i in range(n_batches):
+                batch, weight = self._split(batch_of(i))  # (x, y[, positions]), the weight or None
+                with self.autocast or contextlib.nullcontext():
+                    loss = loss_of(self.model(*batch)).float()
+                total += loss if weight is None else loss * weight
         self.model.train()
         return dist_env.all_reduce_mean(total / n_batches, self.env).item()
 

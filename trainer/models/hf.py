@@ -15,6 +15,7 @@ token after ``idx[t]``), and ``labels=`` would shift them again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 from pathlib import Path
@@ -53,9 +54,9 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = model
         self.documents: str | None = None
-        """Packed documents (:func:`use_document_mask`): ``flex`` or ``dense``, the mask that keeps them apart; the
-        loss is then the mean over the targets that are not -100, 0 where there are none. None: one sequence per
-        row."""
+        """Packed documents (:func:`use_document_mask`): ``flex``, ``dense`` or ``additive``, the mask that keeps them
+        apart; the loss is then the mean over the targets that are not -100, 0 where there are none. None: one
+        sequence per row."""
         head = model.get_output_embeddings()
         assert head is not None, f"{type(model).__name__} has no output embeddings (LM head)"
         # Names, not module references: a second reference would register the module twice (two state-dict keys).
@@ -126,12 +127,16 @@ class HFCausalLM(nn.Module):
 def document_mask(positions: torch.Tensor, kind: str):
     """The mask of packed documents from their positions (B, T), which restart at 0 where a document starts: a token
     attends to the tokens of its own document up to itself. ``kind``: ``dense``, a (B, 1, T, T) boolean mask for
-    SDPA; ``flex``, FlexAttention's ``BlockMask``, whose kernel skips the blocks across documents."""
+    SDPA; ``additive``, the same as 0 and the lowest float32 for transformers' eager attention, which adds its mask
+    to the scores; ``flex``, FlexAttention's ``BlockMask``, whose kernel skips the blocks across documents."""
     doc = (positions == 0).cumsum(-1)  # (B, T): each token's document
     B, T = positions.shape
-    if kind == "dense":
+    if kind in ("dense", "additive"):
         causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
-        return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+        allowed = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+        if kind == "dense":
+            return allowed
+        return torch.zeros(allowed.shape, device=positions.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document(b, h, q, kv):
@@ -150,11 +155,27 @@ def _compiled_block_mask():
     return torch.compile(create_block_mask)
 
 
-def use_document_mask(model: nn.Module, kind: str) -> str | None:
-    """Make ``model`` (an :class:`HFCausalLM`) keep packed documents apart with a ``kind`` mask
-    (:func:`document_mask`): ``flex`` switches its attention to FlexAttention. Returns why it uses ``dense``
-    instead, where the model has no FlexAttention; None otherwise."""
+def use_document_mask(model: nn.Module, kind: str, seq_len: int) -> str | None:
+    """Make ``model`` (an :class:`HFCausalLM`) keep packed documents apart (:func:`document_mask`): ``flex`` switches
+    its attention to FlexAttention; ``dense`` is SDPA's boolean mask, or the additive mask where the model runs
+    transformers' eager attention. Returns why the kind differs from the one asked for (no FlexAttention here);
+    None otherwise.
+
+    Raises:
+        ValueError: a model with sliding-window attention narrower than ``seq_len`` (``data.seq_len``): a mask
+            given to transformers replaces its sliding-window masks, so a long document would see past the window.
+    """
     assert isinstance(model, HFCausalLM), f"a document mask needs a Hugging Face model, not {type(model).__name__}"
+    config = model.hf.config
+    window = getattr(config, "sliding_window", None)
+    sliding = getattr(config, "use_sliding_window", True) and (
+        "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
+    )
+    if window and sliding and window < seq_len:
+        raise ValueError(
+            f"data.seq_len: {seq_len}, but {type(model.hf).__name__} attends within a sliding window of {window} "
+            f"tokens, which the mask of packed documents does not apply; set data.seq_len to at most {window}"
+        )
     why = None
     if kind == "flex":
         try:
@@ -162,8 +183,28 @@ def use_document_mask(model: nn.Module, kind: str) -> str | None:
         except (ValueError, ImportError, AttributeError) as e:
             why = f"{type(model.hf).__name__} has no FlexAttention here ({_first_line(e)}); the document mask is dense"
             kind = "dense"
+    if kind == "dense" and getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+        kind = "additive"  # eager attention adds its mask to the scores: a boolean one would add 1 and 0
     model.documents = kind
     return why
+
+
+@contextlib.contextmanager
+def dense_documents(model: nn.Module):
+    """Within: ``model`` (an :class:`HFCausalLM` under FlexAttention's document mask) runs SDPA with the dense mask
+    instead, its FlexAttention restored after. The evaluation runs so: torch 2.11's compiled inference graph of a
+    model with FlexAttention inside stops on an H200 with an illegal memory access."""
+    kind = model.documents
+    if kind != "flex":
+        yield
+        return
+    model.hf.set_attn_implementation("sdpa")
+    model.documents = "dense"
+    try:
+        yield
+    finally:
+        model.hf.set_attn_implementation("flex_attention")
+        model.documents = kind
 
 
 def _transformers():
