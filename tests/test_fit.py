@@ -252,6 +252,42 @@ def test_tensorboard_and_plot(tmp_path, capsys):
     assert r.returncode == 2 and "no metrics.jsonl" in r.stderr
 
 
+def test_wandb_gets_every_record_and_a_resume_continues_its_run(tmp_path, capsys, monkeypatch):
+    """log.wandb=PROJECT: one W&B run per run directory (named for it, the run's config.yaml its config), each
+    record's numbers at its step, finished at the end; a resume opens the same run (the same id, resume="allow").
+    Without the package it exits 2 naming the key. A stand-in ``wandb`` module records the calls."""
+    import types
+
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", step, values))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    common = ("train.steps=6", "log.wandb=proj", "log.every=2", "checkpoint.every=3", "train.eval_every=3")
+    assert _fit(capsys, tmp_path, *common, "train.stop_at=3").returncode == 0
+    assert _fit(capsys, tmp_path, *common, "resume=last").returncode == 0
+    inits = [c[1] for c in calls if c[0] == "init"]
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] and inits[0]["resume"] == "allow"
+    assert inits[0]["project"] == "proj" and inits[0]["name"] == tmp_path.name
+    assert inits[0]["config"]["train"]["steps"] == 6 and inits[0]["dir"] == str(tmp_path)
+    logged = {step: values for kind, step, values in (c for c in calls if c[0] == "log")}
+    assert sorted(logged) == [1, 2, 3, 4, 6] and "val_loss" in logged[3] and "val_loss" in logged[6]
+    assert logged[6]["train/loss"] == _metrics(tmp_path)[-1]["loss"]
+    assert [c[0] for c in calls].count("finish") == 2
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an import of it fails
+    r = _fit(capsys, tmp_path / "none", "train.steps=1", "log.wandb=proj")
+    assert r.returncode == 2 and "log.wandb: proj: needs the wandb package" in r.stderr
+
+
 def test_nan_skip_mode_skips_updates_and_finishes(tmp_path, capsys):
     r = _fit(capsys, tmp_path, "train.steps=30", "optim.lr=1e4", "optim.grad_clip=0", "schedule.warmup_steps=0",
              "train.on_nan=skip", "checkpoint.enabled=false")  # fmt: skip

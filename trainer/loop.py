@@ -90,7 +90,7 @@ class Trainer:
         progress = ckpts.begin(start, ahead)  # the step and tokens seen: resumed (resume=auto: if a checkpoint), or 0
         # The step: compiled and wrapped for data parallelism as the config says; graphed where it can be.
         metrics = Metrics(run_dir if env.is_main else None, total_steps=cfg.train.steps, progress=cfg.log.progress,
-                          tensorboard=cfg.log.tensorboard, start_step=progress.step)  # fmt: skip
+                          tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, start_step=progress.step)  # fmt: skip
         model, self.splitter = build.wrap(raw_model, resolved, env, opt=opt)
         spikes = SpikeWatch(cfg.train.spike_window, cfg.train.spike_sigma, cfg.train.on_spike)
         train_step = build.train_step(model, raw_model, opt, scaler, resolved, env, spikes)

@@ -114,14 +114,26 @@ class Metrics:
         total_steps: for the progress bar.
         progress: show a live progress bar when stderr is a terminal.
         tensorboard: also write TensorBoard events.
+        wandb: also log to this Weights & Biases project (``log.wandb``; None: not), one W&B run per run directory
+            (its id a digest of the directory's path, so a resume continues it), the run's config.yaml its config.
         start_step: the step this process starts after (non-zero on resume): rows of ``metrics.jsonl`` past it,
             written by a run that stopped after the checkpoint resumed from, are dropped (with a note).
     """
 
-    def __init__(self, run_dir: Path | None, *, total_steps: int, progress: bool, tensorboard: bool, start_step=0):
+    def __init__(
+        self,
+        run_dir: Path | None,
+        *,
+        total_steps: int,
+        progress: bool,
+        tensorboard: bool,
+        wandb: str | None = None,
+        start_step=0,
+    ):
         self.enabled = run_dir is not None
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         self._progress = None
         if not self.enabled:
             return
@@ -141,6 +153,8 @@ class Metrics:
                 msg = "log.tensorboard: needs the tensorboard package: pip install -e '.[tensorboard]'"
                 raise ValueError(msg) from None
             self._tb = SummaryWriter(str(run_dir / "tb"))
+        if wandb:
+            self._wandb = _wandb_run(wandb, run_dir)
         if progress:
             self._progress = console.progress(total_steps, start_step)  # None unless stderr is a terminal
 
@@ -162,6 +176,10 @@ class Metrics:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(f"train/{k}" if not k.startswith("val") else k, v, record["step"])
+        if self._wandb is not None:  # numbers only (startup_s is a dict of phases)
+            numbers = {k: v for k, v in clean.items() if k != "step" and isinstance(v, (int, float))}
+            self._wandb.log({f"train/{k}" if not k.startswith("val") else k: v for k, v in numbers.items()},
+                            step=record["step"])  # fmt: skip
         if echo:
             console.info(summary_line(record, compiled))
 
@@ -175,6 +193,31 @@ class Metrics:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _wandb_run(project: str, run_dir: Path):
+    """A Weights & Biases run for ``run_dir`` in ``project``: named for the directory, its id a digest of the
+    directory's absolute path (a resume of the run continues it; W&B ignores a step logged again), its config the run's
+    config.yaml.
+
+    Raises:
+        ValueError: the wandb package is not installed.
+    """
+    import hashlib
+
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(f"log.wandb: {project}: needs the wandb package: pip install wandb") from None
+    from omegaconf import OmegaConf
+
+    config_file = run_dir / "config.yaml"
+    config = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file.is_file() else {}
+    run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    return wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir), config=config)
 
 
 def drop_rows_after(path: Path, step: int) -> str | None:

@@ -361,6 +361,9 @@ class LogConfig:
     """Show a live progress bar on a terminal."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard extra)."""
+    wandb: str | None = None
+    """Also log each record to this Weights & Biases project (needs the wandb package; WANDB_MODE=offline writes the
+    run locally); null = not."""
     peak_flops: float | None = _f(None, gt=0.0)
     """Peak FLOP/s used for MFU; null = look the device up in a table."""
 
