@@ -375,7 +375,30 @@ def _tail_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np
     return tokens[:-n_val], tokens[-n_val:]
 
 
-class Batches:
+class StepSlices:
+    """What every sampler of the trainer shares: a step's global batch of ``micro_batch_size x grad_accum x
+    world_size`` sequences, of which data-parallel rank ``rank`` takes its contiguous slice, drawn from
+    ``(seed, step)`` with the steps in ``skip`` passed over; its checkpointed state is the next step
+    (:class:`Batches`, :class:`trainer.packing.PackedBatches`; their Args)."""
+
+    def __init__(
+        self, *, seq_len, micro_batch_size, grad_accum, rank, world_size, seed, device, global_batch=None, skip=None
+    ):
+        self.skip = merge_ranges(skip or [])  # steps whose batches are passed over (train.skip_batches, rollbacks)
+        self.T, self.B, self.accum = seq_len, micro_batch_size, grad_accum
+        self.rank, self.world, self.seed, self.device = rank, world_size, seed, torch.device(device)
+        self.global_batch = micro_batch_size * grad_accum * world_size
+        assert global_batch in (None, self.global_batch), (
+            f"global batch {global_batch} != micro_batch_size {micro_batch_size} x grad_accum {grad_accum} x "
+            f"{world_size} ranks"
+        )
+        self._pin = self.device.type == "cuda"
+
+    def state_dict(self, next_step: int) -> dict:
+        return {"seed": self.seed, "next_step": next_step, "global_batch": self.global_batch, "skip": self.skip}
+
+
+class Batches(StepSlices):
     """Random windows of ``seq_len + 1`` tokens, a pure function of ``(seed, split, step)`` and the global batch:
     a step's global batch is drawn whole, and data-parallel rank ``r`` takes its contiguous slice (its
     micro-batches one after another), so the data of a step is the same on 1 or N ranks.
@@ -397,31 +420,10 @@ class Batches:
             passed over: step ``s`` trains on the ``s``-th batch not in them (:func:`data_step`).
     """
 
-    def __init__(
-        self,
-        corpus: Corpus,
-        *,
-        seq_len,
-        micro_batch_size,
-        grad_accum,
-        rank,
-        world_size,
-        seed,
-        device,
-        global_batch=None,
-        positions: np.ndarray | None = None,
-        skip: list | None = None,
-    ):
-        self.skip = merge_ranges(skip or [])  # steps whose batches are passed over (train.skip_batches, rollbacks)
-        self.corpus, self.T, self.B, self.accum = corpus, seq_len, micro_batch_size, grad_accum
-        self.rank, self.world, self.seed, self.device = rank, world_size, seed, torch.device(device)
-        self.global_batch = micro_batch_size * grad_accum * world_size
-        assert global_batch in (None, self.global_batch), (
-            f"global batch {global_batch} != micro_batch_size {micro_batch_size} x grad_accum {grad_accum} x "
-            f"{world_size} ranks"
-        )
-        self._pin = self.device.type == "cuda"
-        self._arange = np.arange(seq_len + 1)
+    def __init__(self, corpus: Corpus, *, positions: np.ndarray | None = None, **slices):
+        super().__init__(**slices)
+        self.corpus = corpus
+        self._arange = np.arange(self.T + 1)
         self._positions = None if positions is None else torch.as_tensor(positions, dtype=torch.int64)
 
     def _offsets(self, split: str, index: int, count: int) -> np.ndarray:
@@ -452,9 +454,6 @@ class Batches:
         """Validation micro-batch ``index`` for this rank; the same windows at every evaluation."""
         offsets = self._offsets("val", index, self.B * self.world)
         return self._windows("val", offsets[self.rank * self.B : (self.rank + 1) * self.B])
-
-    def state_dict(self, next_step: int) -> dict:
-        return {"seed": self.seed, "next_step": next_step, "global_batch": self.global_batch, "skip": self.skip}
 
 
 def merge_ranges(ranges) -> list[list[int]]:

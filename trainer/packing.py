@@ -33,7 +33,7 @@ import bisect
 import numpy as np
 import torch
 
-from trainer.data import Documents, data_step, merge_ranges
+from trainer.data import Documents, StepSlices, data_step
 
 IGNORE = -100
 """The target of a token that is not trained on: ``F.cross_entropy``'s default ``ignore_index``."""
@@ -200,7 +200,7 @@ class Packing:
         return out
 
 
-class PackedBatches:
+class PackedBatches(StepSlices):
     """This rank's micro-batches of packed documents: ``(x, y, positions, weight)`` per micro-batch, a pure function of
     ``(seed, step)`` and the global batch, with :class:`trainer.data.Batches`' interface.
 
@@ -213,32 +213,10 @@ class PackedBatches:
         Others: as :class:`trainer.data.Batches`.
     """
 
-    def __init__(
-        self,
-        train: Documents,
-        val: Documents,
-        *,
-        seq_len,
-        micro_batch_size,
-        grad_accum,
-        rank,
-        world_size,
-        seed,
-        device,
-        filler: int = 0,
-        global_batch=None,
-        skip: list | None = None,
-    ):
-        self.skip = merge_ranges(skip or [])
-        self.T, self.B, self.accum = seq_len, micro_batch_size, grad_accum
-        self.rank, self.world, self.seed, self.device = rank, world_size, seed, torch.device(device)
-        self.global_batch = micro_batch_size * grad_accum * world_size
-        assert global_batch in (None, self.global_batch), (
-            f"global batch {global_batch} != micro_batch_size {micro_batch_size} x grad_accum {grad_accum} x "
-            f"{world_size} ranks"
-        )
-        self.train, self.val = Packing(train, seq_len, seed, 0, filler), Packing(val, seq_len, seed, 1, filler)
-        self._pin = self.device.type == "cuda"
+    def __init__(self, train: Documents, val: Documents, *, filler: int = 0, **slices):
+        super().__init__(**slices)
+        self.train = Packing(train, self.T, self.seed, 0, filler)
+        self.val = Packing(val, self.T, self.seed, 1, filler)
         self._step: tuple[int, tuple[torch.Tensor, ...], int] | None = None  # the step whose batch is on the device
 
     def _first(self, step: int) -> int:
@@ -274,7 +252,9 @@ class PackedBatches:
         return x[rows], y[rows], pos[rows], w[micro]
 
     def targets(self, step: int) -> int:
-        """The number of targets of step ``step``'s global batch (0 for the first step)."""
+        """The number of targets of step ``step``'s global batch (0 for the first step): the loaded step's count."""
+        if self._step is not None and self._step[0] == step:
+            return self._step[2]
         return int(self.train.count(self._first(step), self.global_batch).sum())
 
     def val_batch(self, index: int) -> tuple[torch.Tensor, ...]:
@@ -289,6 +269,3 @@ class PackedBatches:
         rows = self.val.rows(first + self.rank * self.B, self.B)
         x, y, pos, w = self._to_device(rows, weight)
         return x, y, pos, w[0]
-
-    def state_dict(self, next_step: int) -> dict:
-        return {"seed": self.seed, "next_step": next_step, "global_batch": self.global_batch, "skip": self.skip}
