@@ -52,6 +52,9 @@ VARIANTS = {
     "eager": {"kind": "user", "compile": False},
     "torch.compile": {"kind": "user", "compile": True},
     "torch.compile-synced": {"kind": "user", "compile": True, "synced": True},
+    # torchao's float8 loop: convert_to_float8_training (tensorwise; every linear but the LM head, as the torchao
+    # README writes it), then torch.compile(model). Against ours@train.precision=fp8.
+    "torch.compile-fp8": {"kind": "user", "compile": True, "fp8": True},
     "ours": {"kind": "ours", "overrides": []},  # as shipped: the defaults' fast path
     "ours-model": {"kind": "ours", "overrides": [*_ON, "compile.scope=model"]},
     "ours-model-fused": {"kind": "ours", "overrides": [*_ON, "compile.scope=model", "optim.impl=fused"]},
@@ -81,9 +84,10 @@ def _common_overrides(a) -> list[str]:
     ]
 
 
-def run_user(a, compile_model: bool, synced: bool = False) -> dict:
+def run_user(a, compile_model: bool, synced: bool = False, fp8: bool = False) -> dict:
     """The loop a user writes around torch.compile(model) with fused AdamW; ``synced``: timed as nanoGPT does,
-    waiting for each step (else the timed steps run back to back and the window is timed once)."""
+    waiting for each step (else the timed steps run back to back and the window is timed once); ``fp8``: torchao's
+    float8 training on every linear but the LM head (and those with a dimension not a multiple of 16)."""
     import torch
 
     from scripts import _models
@@ -92,6 +96,13 @@ def run_user(a, compile_model: bool, synced: bool = False) -> dict:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = _models.build(a.model, a.cache_dir, a.seq).to(dev)
+    if fp8:
+        from torchao.float8 import convert_to_float8_training
+
+        def eligible(m, fqn: str) -> bool:
+            return not fqn.endswith("lm_head") and m.in_features % 16 == 0 and m.out_features % 16 == 0
+
+        convert_to_float8_training(model, module_filter_fn=eligible)
     batches = user_data(a.seq, a.batch, dev)
     step_fn = user_step(model, torch.compile(model) if compile_model else model, batches, dev)
     torch.cuda.reset_peak_memory_stats()
@@ -139,7 +150,8 @@ def run_ours(a, overrides: list[str], cache_dir: str) -> dict:
     s = Trainer(cfg).fit()
     median = s["median_step_s"]
     report = Path(run_dir) / "compile_report.json"
-    kernels = json.loads(report.read_text())["kernels"] if report.exists() else []
+    facts = json.loads(report.read_text()) if report.exists() else {}
+    kernels = facts.get("kernels", [])
     return {
         "tokens_per_s": a.batch * a.seq / median,
         "step_ms": median * 1e3,
@@ -147,6 +159,7 @@ def run_ours(a, overrides: list[str], cache_dir: str) -> dict:
         "peak_mem_gb": s["peak_mem_gb"],
         "final_loss": s["loss"],
         "kernels": {k["name"]: k["count"] for k in kernels},  # what the compile layer substituted
+        "compile_time_s": facts.get("compile_time_s"),  # by phase (Dynamo, AOTAutograd, Inductor, ...)
     }
 
 
@@ -188,7 +201,7 @@ def _worker(a) -> None:
 
     def run() -> dict:
         if spec["kind"] == "user":
-            return run_user(a, spec["compile"], spec.get("synced", False))
+            return run_user(a, spec["compile"], spec.get("synced", False), spec.get("fp8", False))
         return run_ours(a, spec["overrides"], a.cache_dir)
 
     from scripts._meta import gpu_timeline
