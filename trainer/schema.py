@@ -280,8 +280,8 @@ class CompileConfig:
     """After 3 ordinary steps, capture the whole step (forward, backward, clipping, optimizer; with ddp the bucket
     all-reduces too) as one CUDA graph and replay it. auto = on wherever the step allows it: CUDA, compiled, static
     shapes, adamw or adam with optim.impl auto/fused/foreach/triton, not fsdp, not fp16, not train.on_nan=skip or
-    train.on_spike=skip, not distributed.shard_optimizer (the startup line says why when it is off); true insists,
-    and a config it cannot apply is an error."""
+    train.on_spike=skip, not distributed.shard_optimizer, not compile.scope=blocks with a model.hf model (the
+    startup line says why when it is off); true insists, and a config it cannot apply is an error."""
     cache_dir: str | None = None
     """Compile cache directory; null = inside the run directory."""
 
@@ -466,6 +466,8 @@ def graphed_step_settings(cfg: Config) -> dict:
         "mode": c.mode,
         "inductor_options": dict(c.inductor_options),
         "shard_optimizer": d.shard_optimizer,
+        "scope": c.scope,
+        "hf": bool(cfg.model.hf),
     }
 
 

@@ -57,6 +57,8 @@ def requirements(
     mode: str,
     inductor_options: dict | None,
     shard_optimizer: bool,
+    scope: str = "model",
+    hf: bool = False,
 ) -> list[tuple[bool, str, object, str]]:
     """``(unmet, key, value, what it needs)`` for each thing the graphed step needs of a run.
 
@@ -73,6 +75,8 @@ def requirements(
         mode: ``compile.mode``.
         inductor_options: ``compile.inductor_options``.
         shard_optimizer: ``distributed.shard_optimizer``.
+        scope: ``compile.scope``.
+        hf: whether the model is a Hugging Face one (``model.hf``).
     """
     from trainer.compile.capture import inductor_options as options_of
 
@@ -104,6 +108,16 @@ def requirements(
             "(Inductor's own CUDA graphs cannot nest in the step's graph)",
         ),
         (optim_name == "sgd", "optim.name", optim_name, "adamw or adam (torch's SGD has no capturable mode)"),
+        (
+            # Measured on an H200 (transformers 5.17): between the compiled blocks the model's own code runs eagerly,
+            # and transformers builds a dense attention mask there while a CUDA graph is captured (it takes the
+            # capture for tracing), so each block recompiles inside the capture and the capture fails.
+            hf and scope == "blocks",
+            "compile.scope",
+            scope,
+            "model for a model.hf model (transformers builds its attention mask between the blocks, otherwise "
+            "while a CUDA graph is captured)",
+        ),
         (
             shard_optimizer and strategy == "ddp",
             "distributed.shard_optimizer",
