@@ -24,6 +24,12 @@ HF_LLAMA_8B = dict(  # Llama-3-8B's shape (8.03B parameters)
     rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu",
 )  # fmt: skip
 
+HF_QWEN3_06B = dict(  # Qwen3-0.6B's shape (0.6B parameters, 28 layers, tied embeddings)
+    model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu",
+)  # fmt: skip
+
 MODELS = {
     "gpt2-small": {"kind": "builtin", "preset": "gpt2-small", "vocab": 50304, "seq": 1024, "batch": 16},
     "gpt2-medium": {"kind": "builtin", "preset": "gpt2-medium", "vocab": 50304, "seq": 1024, "batch": 16},
@@ -39,6 +45,7 @@ MODELS = {
     "hf-gpt2-124m": {"kind": "hf", "config": HF_GPT2_124M, "seq": 1024, "batch": 16},
     "hf-llama-1b": {"kind": "hf", "config": HF_LLAMA_1B, "seq": 2048, "batch": 4},
     "hf-llama-8b": {"kind": "hf", "config": HF_LLAMA_8B, "seq": 2048, "batch": 2},
+    "hf-qwen3-0.6b": {"kind": "hf", "config": HF_QWEN3_06B, "seq": 2048, "batch": 4},
 }
 
 
