@@ -460,39 +460,3 @@ def test_two_ranks_reproduce_one_process(strategy, dirs, llama_one_process, tmp_
     assert set(pa) == set(pb)
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-5)  # observed 1.4e-6 (Adam's update, fp32)
-
-
-def test_compiled_blocks_get_no_mask_for_whole_causal_sequences_when_transformers_would_build_one(dirs, monkeypatch):
-    """compile.scope=blocks: transformers builds the attention mask between the compiled blocks, in eager code, and
-    some versions (5.17) build a dense one while a CUDA graph is captured (they take the capture for tracing). The
-    model's own mask function leaves it out for whole causal sequences whatever transformers decides (its decision
-    forced to "build one" here), and hands any other mask to transformers' ``sdpa_mask``."""
-    import transformers.masking_utils as masking
-
-    from trainer.compile.capture import apply_compile
-    from trainer.models.hf import CAUSAL_SDPA, attention_of, build_hf_model
-
-    torch.manual_seed(0)
-    reference = build_hf_model(str(dirs.llama))
-    model = build_hf_model(str(dirs.llama))
-    model.load_state_dict(reference.state_dict())
-    cfg = load_config(None, ["compile.scope=blocks", "compile.backend=aot_eager"]).compile
-    compiled = apply_compile(model, cfg)
-    assert model.hf.config._attn_implementation == CAUSAL_SDPA and attention_of(model) == "sdpa"
-    seen = []
-    for layer in model.hf.model.layers:
-        layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
-    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", lambda *a, **k: False)  # "tracing": build the mask
-    idx = torch.randint(0, 256, (2, 16))
-    with torch.no_grad():
-        out, expected = compiled(idx), reference(idx)
-    assert seen == [None, None]
-    torch.testing.assert_close(out, expected)
-    # Any other mask is transformers': a padded batch, here with its mask forced.
-    mask_fn = masking.ALL_MASK_ATTENTION_FUNCTIONS[CAUSAL_SDPA]
-    padding = torch.tensor([[True] * 16, [False] * 4 + [True] * 12])
-    kwargs = dict(batch_size=2, q_length=16, kv_length=16, mask_function=masking.causal_mask_function)
-    assert mask_fn(**kwargs) is None
-    assert torch.equal(mask_fn(**kwargs, attention_mask=padding), masking.sdpa_mask(**kwargs, attention_mask=padding))
-    decode = dict(kwargs, q_length=1, q_offset=15)  # one new token over a cache of 15
-    assert torch.equal(mask_fn(**decode), masking.sdpa_mask(**decode))

@@ -249,9 +249,7 @@ def apply_compile(
             say("compile.loss=false has no effect with compile.scope=model: the loss is inside the model's graph")
         return torch.compile(LossOnly(model), **kwargs)
     from trainer.models.blocks import find_blocks
-    from trainer.models.hf import unmasked_causal_sdpa
 
-    unmasked_causal_sdpa(model)  # the mask is built between the blocks, in eager code: the same one when captured
     _, blocks = find_blocks(model, cfg.blocks)
     for block in blocks:
         if hooks_outside:

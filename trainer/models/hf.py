@@ -348,51 +348,7 @@ def _instantiate(transformers, name: str, config, pretrained: bool, kwargs: dict
 def attention_of(model: nn.Module) -> str | None:
     """The attention implementation of a Hugging Face model (``sdpa`` or ``eager``); None for other models."""
     config = getattr(getattr(model, "hf", None), "config", None)
-    name = getattr(config, "_attn_implementation", None) if isinstance(model, HFCausalLM) else None
-    return "sdpa" if name == CAUSAL_SDPA else name
-
-
-# transformers' SDPA attention under a mask function of trainer's (:func:`unmasked_causal_sdpa`).
-CAUSAL_SDPA = "trainer_causal_sdpa"
-
-
-def unmasked_causal_sdpa(model: nn.Module) -> bool:
-    """Give a Hugging Face model on SDPA no attention mask for plain causal sequences, always, so that SDPA runs with
-    ``is_causal``; returns whether it applied (an :class:`HFCausalLM` on ``sdpa``, no packed documents).
-
-    transformers' SDPA path leaves the mask out (``is_causal``) only when it is not tracing, and some versions (5.17)
-    take a CUDA graph's capture for tracing. Under ``compile.scope: blocks`` the mask is built in eager code between
-    the compiled blocks, so while the graphed step is captured it became a dense ``(B, 1, T, T)`` mask: a new input
-    that recompiled every block inside the capture, which failed. Here the model gets transformers' own SDPA attention
-    under a mask function that returns None for a causal mask over a whole sequence with no padding (what
-    transformers' rule decides outside tracing) and leaves every other mask (padding, sliding windows, a cache's
-    offsets) to transformers' ``sdpa_mask``."""
-    hf = getattr(model, "hf", None)
-    if not isinstance(model, HFCausalLM) or model.documents is not None or attention_of(model) != "sdpa":
-        return False
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
-
-    def mask(*args, **kwargs):
-        whole = (
-            not args
-            and kwargs.get("mask_function") is causal_mask_function
-            and kwargs.get("attention_mask") is None
-            and kwargs.get("local_size") is None
-            and kwargs.get("allow_is_causal_skip", True)
-            and all(isinstance(kwargs.get(k, 0), int) and kwargs.get(k, 0) == 0 for k in ("q_offset", "kv_offset"))
-            and kwargs.get("q_length") == kwargs.get("kv_length")
-        )
-        return None if whole else sdpa_mask(*args, **kwargs)
-
-    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
-    AttentionMaskInterface.register(CAUSAL_SDPA, mask)
-    for sub in hf.modules():  # transformers reads the implementation from each submodule's config
-        config = getattr(sub, "config", None)
-        if getattr(config, "_attn_implementation", None) == "sdpa":
-            config._attn_implementation = CAUSAL_SDPA
-    return True
+    return getattr(config, "_attn_implementation", None) if isinstance(model, HFCausalLM) else None
 
 
 def _dtype_kwarg(transformers, dtype: torch.dtype) -> dict:
