@@ -109,14 +109,12 @@ def requirements(
         ),
         (optim_name == "sgd", "optim.name", optim_name, "adamw or adam (torch's SGD has no capturable mode)"),
         (
-            # Measured on an H200 (transformers 5.17): between the compiled blocks the model's own code runs eagerly,
-            # and transformers builds a dense attention mask there while a CUDA graph is captured (it takes the
-            # capture for tracing), so each block recompiles inside the capture and the capture fails.
+            # Measured on an H200 (transformers 5.17): Dynamo traces a compiled block again inside the capture and
+            # the capture fails (cudaErrorStreamCaptureInvalidated), with transformers' attention mask built or not.
             hf and scope == "blocks",
             "compile.scope",
             scope,
-            "model for a model.hf model (transformers builds its attention mask between the blocks, otherwise "
-            "while a CUDA graph is captured)",
+            "model for a model.hf model (its compiled blocks are traced again inside the capture)",
         ),
         (
             shard_optimizer and strategy == "ddp",
