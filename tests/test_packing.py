@@ -102,6 +102,47 @@ def test_the_data_of_a_step_does_not_depend_on_the_ranks_and_the_weights_count_t
                 assert w.item() == pytest.approx((y != IGNORE).sum().item() * world / total, rel=1e-6)
 
 
+def test_the_validation_loss_is_the_mean_over_all_of_its_targets():
+    """An evaluation of E micro-batches on 1 rank and on 2: the mean over the ranks of (sum of each micro-batch's
+    mean loss x its weight) / E (what TrainStep.evaluate computes) is the mean token loss over every target of the
+    E global micro-batches, though they hold different target counts (asserted)."""
+    docs = _docs(np.random.default_rng(4).integers(5, 64, 200))
+    kw = dict(seq_len=64, seed=1, device="cpu", grad_accum=1, eval_batches=3)
+    token_loss = torch.rand(VOCAB, generator=torch.Generator().manual_seed(0))  # a loss per target token id
+
+    def evaluate(world: int) -> tuple[float, list[int]]:
+        ranks = [PackedBatches(docs, docs, micro_batch_size=4 // world, rank=r, world_size=world, **kw)
+                 for r in range(world)]  # fmt: skip
+        totals, counts = [], []
+        for b in ranks:
+            total = 0.0
+            for i in range(3):
+                _, y, _, w = b.val_batch(i)
+                kept = y[y != IGNORE]
+                counts.append(len(kept))
+                total += (token_loss[kept].mean().item() if len(kept) else 0.0) * w.item()
+            totals.append(total / 3)
+        return sum(totals) / world, counts
+
+    one, counts = evaluate(1)
+    assert len(set(counts)) > 1, counts  # the micro-batches hold different numbers of targets
+    expected = (
+        torch.cat(
+            [
+                token_loss[y[y != IGNORE]]
+                for y in (
+                    PackedBatches(docs, docs, micro_batch_size=4, rank=0, world_size=1, **kw).val_batch(i)[1]
+                    for i in range(3)
+                )
+            ]  # fmt: skip
+        )
+        .mean()
+        .item()
+    )
+    assert one == pytest.approx(expected, rel=1e-6)
+    assert evaluate(2)[0] == pytest.approx(expected, rel=1e-6)
+
+
 def _model(documents: str | None = "dense", attention: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 

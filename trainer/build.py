@@ -129,7 +129,9 @@ def batches(plan: plan_rules.Plan, corpus, env):
         skip=cfg.train.skip_batches,
     )
     if corpus.documents is not None:  # instruction data: whole documents packed, a document mask, a loss mask
-        packed = PackedBatches(*corpus.documents, filler=corpus.eos_id or 0, **common)
+        packed = PackedBatches(
+            *corpus.documents, filler=corpus.eos_id or 0, eval_batches=cfg.train.eval_batches, **common
+        )
         docs, T = corpus.documents[0], cfg.data.seq_len
         split = f"; {n:,} longer than data.seq_len are cut into pieces of {T}" if (n := docs.split_documents(T)) else ""
         console.info(

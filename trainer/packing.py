@@ -19,7 +19,8 @@ tokens, a loss mask (1 where a token is a training target) and each document's s
   targets. Each micro-batch's model returns its mean over its own targets, so micro-batch ``m`` is weighted
   ``n_m * ranks / N`` (``n_m`` its targets, ``N`` the global batch's, ``ranks`` the data-parallel ranks whose
   gradients are averaged): any ``micro_batch_size x grad_accum x ranks`` cut of the same global batch gives the
-  same gradient, up to rounding. Every count is known on the host from the packing: no collective.
+  same gradient, up to rounding. Every count is known on the host from the packing: no collective. The validation
+  loss is weighted the same way over an evaluation's micro-batches: the mean over all of their targets.
 
 The global batch of step ``k`` is sequences ``k * G .. (k + 1) * G - 1`` of the epochs laid end to end (``G`` the
 global batch), and data-parallel rank ``r`` takes its contiguous slice, as :class:`trainer.data.Batches` does: the
@@ -210,13 +211,17 @@ class PackedBatches(StepSlices):
     Args:
         train, val: the splits.
         filler: the token that fills a sequence's leftover (the EOS, or 0).
+        eval_batches: the validation micro-batches an evaluation runs (``train.eval_batches``): their weights make
+            its loss the mean over all of their targets.
         Others: as :class:`trainer.data.Batches`.
     """
 
-    def __init__(self, train: Documents, val: Documents, *, filler: int = 0, **slices):
+    def __init__(self, train: Documents, val: Documents, *, filler: int = 0, eval_batches: int = 1, **slices):
         super().__init__(**slices)
         self.train = Packing(train, self.T, self.seed, 0, filler)
         self.val = Packing(val, self.T, self.seed, 1, filler)
+        self.eval_batches = eval_batches
+        self._val_targets: int | None = None  # the targets of an evaluation's micro-batches over the ranks
         self._step: tuple[int, tuple[torch.Tensor, ...], int] | None = None  # the step whose batch is on the device
 
     def _first(self, step: int) -> int:
@@ -257,15 +262,21 @@ class PackedBatches(StepSlices):
             return self._step[2]
         return int(self.train.count(self._first(step), self.global_batch).sum())
 
+    def _val_counts(self, index: int) -> tuple[int, np.ndarray]:
+        """The first validation sequence of the ranks' micro-batches ``index``, and each sequence's targets."""
+        first = (index * self.B * self.world) % self.val.sequences_per_epoch()
+        return first, self.val.count(first, self.B * self.world)
+
     def val_batch(self, index: int) -> tuple[torch.Tensor, ...]:
         """Validation micro-batch ``index`` for this rank, ``(x, y, positions, weight)``: the same at every
-        evaluation, its weight ``n * ranks / N`` over the ranks' micro-batches ``index``."""
-        n = self.val.sequences_per_epoch()
-        first = (index * self.B * self.world) % n
-        counts = self.val.count(first, self.B * self.world)
-        total = int(counts.sum())
-        own = int(counts[self.rank * self.B : (self.rank + 1) * self.B].sum())
-        weight = np.asarray([own * self.world / total if total else 0.0])
+        evaluation, its weight ``n * ranks * E / N``: its targets n, over the targets N of all the ranks' first E
+        micro-batches (``eval_batches``). The evaluation's mean of weighted losses over E micro-batches and the
+        ranks is then the mean loss over all of its targets, whatever each micro-batch holds."""
+        if self._val_targets is None:
+            self._val_targets = int(sum(self._val_counts(i)[1].sum() for i in range(self.eval_batches)))
+        first, counts = self._val_counts(index)
+        own, total = int(counts[self.rank * self.B : (self.rank + 1) * self.B].sum()), self._val_targets
+        weight = np.asarray([own * self.world * self.eval_batches / total if total else 0.0])
         rows = self.val.rows(first + self.rank * self.B, self.B)
         x, y, pos, w = self._to_device(rows, weight)
         return x, y, pos, w[0]

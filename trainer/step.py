@@ -292,7 +292,8 @@ class TrainStep:
 
     @torch.no_grad()
     def evaluate(self, batch_of: BatchOf, n_batches: int) -> float:
-        """The mean loss over ``batch_of(0) ... batch_of(n_batches - 1)`` in eval mode, averaged over ranks."""
+        """The mean loss over ``batch_of(0) ... batch_of(n_batches - 1)`` in eval mode, averaged over ranks; a batch
+        with a weight (packed documents) counts its loss times its weight (the mean over all of the targets)."""
         self.model.eval()
         total = torch.zeros((), device=self.env.device)
         with self.eval_context():
