@@ -460,3 +460,38 @@ def test_two_ranks_reproduce_one_process(strategy, dirs, llama_one_process, tmp_
     assert set(pa) == set(pb)
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], rtol=0, atol=1e-5)  # observed 1.4e-6 (Adam's update, fp32)
+
+
+def test_compiled_blocks_attend_causally_with_no_mask_made_between_them(dirs, monkeypatch):
+    """compile.scope=blocks (and fsdp) run the model's code between the blocks eagerly. There transformers makes the
+    attention mask each forward: it reads the positions on the host (a sync) to look for packed sequences, and while
+    a CUDA graph is captured (which it takes for tracing, as forced here) it makes a dense mask, a new input of every
+    block. A causal model on SDPA gets no mask made at all: the blocks see None (SDPA's is_causal), the logits are
+    the uncompiled model's, and a model with a sliding window keeps transformers' masks."""
+    import transformers.masking_utils as masking
+
+    from trainer.compile.capture import apply_compile
+    from trainer.models.hf import CAUSAL_SDPA, attention_of, build_hf_model, causal_sdpa_without_mask
+
+    torch.manual_seed(0)
+    reference = build_hf_model(str(dirs.llama))
+    model = build_hf_model(str(dirs.llama))
+    model.load_state_dict(reference.state_dict())
+    compiled = apply_compile(model, load_config(None, ["compile.scope=blocks", "compile.backend=aot_eager"]).compile)
+    assert model.hf.config._attn_implementation == CAUSAL_SDPA and attention_of(model) == "sdpa"
+    seen, looked = [], []
+    for layer in model.hf.model.layers:
+        layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+    real_find = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a, **k: looked.append(1) or real_find(*a, **k))
+    monkeypatch.setattr(masking, "is_tracing", lambda *a, **k: True)  # as transformers sees a CUDA graph's capture
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        out = compiled(idx)
+        assert seen == [None, None] and not looked
+        expected = reference(idx)  # the uncompiled model on transformers' SDPA: its mask made, as the blocks' was
+    assert looked
+    torch.testing.assert_close(out, expected)
+    window = _model_dir(dirs.llama.parent / "mistral", dict(LLAMA, model_type="mistral", sliding_window=8))
+    mistral = build_hf_model(str(window))
+    assert not causal_sdpa_without_mask(mistral) and mistral.hf.config._attn_implementation == "sdpa"

@@ -249,7 +249,9 @@ def apply_compile(
             say("compile.loss=false has no effect with compile.scope=model: the loss is inside the model's graph")
         return torch.compile(LossOnly(model), **kwargs)
     from trainer.models.blocks import find_blocks
+    from trainer.models.hf import causal_sdpa_without_mask
 
+    causal_sdpa_without_mask(model)  # else transformers makes its mask between the blocks, with a host sync
     _, blocks = find_blocks(model, cfg.blocks)
     for block in blocks:
         if hooks_outside:

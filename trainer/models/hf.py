@@ -348,7 +348,45 @@ def _instantiate(transformers, name: str, config, pretrained: bool, kwargs: dict
 def attention_of(model: nn.Module) -> str | None:
     """The attention implementation of a Hugging Face model (``sdpa`` or ``eager``); None for other models."""
     config = getattr(getattr(model, "hf", None), "config", None)
-    return getattr(config, "_attn_implementation", None) if isinstance(model, HFCausalLM) else None
+    name = getattr(config, "_attn_implementation", None) if isinstance(model, HFCausalLM) else None
+    return "sdpa" if name == CAUSAL_SDPA else name
+
+
+# transformers' SDPA attention under a name it has no mask function for (:func:`causal_sdpa_without_mask`).
+CAUSAL_SDPA = "trainer_causal_sdpa"
+
+
+def causal_sdpa_without_mask(model: nn.Module) -> bool:
+    """Build no attention mask for a Hugging Face model on SDPA that trains on whole causal sequences: SDPA then runs
+    with ``is_causal``. Returns whether it applied: an :class:`HFCausalLM` on ``sdpa`` with no packed documents,
+    every attention layer causal, no sliding window and no chunked attention (its forward passes no padding mask and
+    no cache).
+
+    The attention becomes transformers' own SDPA function under a name transformers has no mask function for, so
+    ``create_causal_mask`` returns None at once. Otherwise, between compiled blocks (``compile.scope: blocks``, and
+    fsdp, which compiles the blocks) the mask is made in eager code each forward: transformers first looks for packed
+    sequences in the positions, reading a device tensor on the host (a sync every forward), and while a CUDA graph is
+    captured it takes itself for tracing and makes a dense ``(B, 1, T, T)`` mask instead, a new input of every block.
+    """
+    hf = getattr(model, "hf", None)
+    if not isinstance(model, HFCausalLM) or model.documents is not None or attention_of(model) != "sdpa":
+        return False
+    configs = [m.config for m in hf.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    for config in configs:
+        window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if window or kinds != {"full_attention"} or getattr(config, "attention_chunk_size", None):
+            return False
+    if not all(getattr(m, "is_causal", True) for m in hf.modules() if hasattr(m, "num_key_value_groups")):
+        return False
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    for config in configs:  # transformers reads the implementation from each submodule's config
+        if config._attn_implementation == "sdpa":
+            config._attn_implementation = CAUSAL_SDPA
+    return True
 
 
 def _dtype_kwarg(transformers, dtype: torch.dtype) -> dict:
