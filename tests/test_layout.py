@@ -17,7 +17,7 @@ LAYERS = (
     ("optim", ("trainer.optim",)),
     ("compile", ("trainer.compile",)),
     ("config", ("trainer.schema", "trainer.config")),
-    ("run", ("trainer.plan", "trainer.step", "trainer.checkpoint", "trainer.metrics")),
+    ("run", ("trainer.plan", "trainer.global_batch", "trainer.step", "trainer.checkpoint", "trainer.metrics")),
     ("assembly", ("trainer.build", "trainer.model_setup", "trainer.describe", "trainer.memory")),
     ("app", ("trainer", "trainer.__main__", "trainer.loop", "trainer.cli", "trainer.tune_runs", "trainer.tune",
              "trainer.explain_memory", "trainer.sample", "trainer.prepare", "trainer.instruct", "trainer.sources",

@@ -21,6 +21,7 @@ import torch
 
 from trainer import console, memory
 from trainer.config import Config, load_config, to_yaml
+from trainer.global_batch import derive_grad_accum
 from trainer.memory import (
     GB,
     MODES,
@@ -33,7 +34,6 @@ from trainer.memory import (
     step_transient,
     work_dir,
 )
-from trainer.plan import derive_grad_accum
 from trainer.tune_runs import Runner, World, plan_facts
 
 GRID = [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256]
