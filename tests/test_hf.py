@@ -495,3 +495,39 @@ def test_compiled_blocks_attend_causally_with_no_mask_made_between_them(dirs, mo
     window = _model_dir(dirs.llama.parent / "mistral", dict(LLAMA, model_type="mistral", sliding_window=8))
     mistral = build_hf_model(str(window))
     assert not causal_sdpa_without_mask(mistral) and mistral.hf.config._attn_implementation == "sdpa"
+
+
+DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               vocab_size=128, max_position_embeddings=64)  # fmt: skip
+NO_WINDOW = dict(DECODER, sliding_window=None)
+CAUSAL_SDPA_CONFIGS = {
+    "llama": DECODER, "mistral": NO_WINDOW, "mixtral": dict(NO_WINDOW, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2": DECODER, "qwen3": dict(DECODER, head_dim=16), "gemma": dict(DECODER, head_dim=16), "phi": DECODER,
+    "phi3": dict(NO_WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2), "olmo": DECODER, "granite": DECODER,
+    "starcoder2": NO_WINDOW, "gpt2": dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+    "gpt_neox": dict(DECODER, rotary_pct=0.25),
+}  # fmt: skip
+
+
+def test_each_architecture_that_makes_no_mask_computes_what_transformers_sdpa_path_does():
+    """Every architecture of CAUSAL_SDPA_MODELS, a tiny random model of each: the logits with no mask made (SDPA's
+    is_causal) equal those on transformers' own SDPA path, exactly; an architecture outside it (Falcon, whose
+    attention branches on the name "sdpa") keeps transformers' path."""
+    import copy
+
+    from trainer.models.hf import CAUSAL_SDPA_MODELS, HFCausalLM, causal_sdpa_without_mask
+
+    assert set(CAUSAL_SDPA_CONFIGS) == CAUSAL_SDPA_MODELS
+    idx = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    for model_type, fields in CAUSAL_SDPA_CONFIGS.items():
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+        hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        reference, model = HFCausalLM(hf), HFCausalLM(copy.deepcopy(hf))
+        assert causal_sdpa_without_mask(model), model_type
+        with torch.no_grad():
+            assert torch.equal(model(idx), reference(idx)), model_type
+    falcon = transformers.AutoConfig.for_model("falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                               vocab_size=128)  # fmt: skip
+    model = HFCausalLM(transformers.AutoModelForCausalLM.from_config(falcon, attn_implementation="sdpa"))
+    assert not causal_sdpa_without_mask(model) and model.hf.config._attn_implementation == "sdpa"

@@ -354,13 +354,21 @@ def attention_of(model: nn.Module) -> str | None:
 
 # transformers' SDPA attention under a name it has no mask function for (:func:`causal_sdpa_without_mask`).
 CAUSAL_SDPA = "trainer_causal_sdpa"
+# The architectures whose only mask is create_causal_mask's and whose attention takes any registered function:
+# their logits under CAUSAL_SDPA are transformers' SDPA path's (tests/test_hf.py checks a tiny model of each).
+# Others keep transformers' masks: Falcon branches on the name "sdpa" (its other path adds the mask), Doge adds a
+# mask of its own to the causal one, DeepSeek-V3.2 indexes the mask.
+CAUSAL_SDPA_MODELS = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo", "granite", "starcoder2", "gpt2",
+     "gpt_neox"}
+)  # fmt: skip
 
 
 def causal_sdpa_without_mask(model: nn.Module) -> bool:
     """Build no attention mask for a Hugging Face model on SDPA that trains on whole causal sequences: SDPA then runs
-    with ``is_causal``. Returns whether it applied: an :class:`HFCausalLM` on ``sdpa`` with no packed documents,
-    every attention layer causal, no sliding window and no chunked attention (its forward passes no padding mask and
-    no cache).
+    with ``is_causal``. Returns whether it applied: an :class:`HFCausalLM` of an architecture in
+    :data:`CAUSAL_SDPA_MODELS` on ``sdpa`` with no packed documents, every attention layer causal, no sliding window
+    and no chunked attention (its forward passes no padding mask and no cache).
 
     The attention becomes transformers' own SDPA function under a name transformers has no mask function for, so
     ``create_causal_mask`` returns None at once. Otherwise, between compiled blocks (``compile.scope: blocks``, and
@@ -370,6 +378,8 @@ def causal_sdpa_without_mask(model: nn.Module) -> bool:
     """
     hf = getattr(model, "hf", None)
     if not isinstance(model, HFCausalLM) or model.documents is not None or attention_of(model) != "sdpa":
+        return False
+    if getattr(hf.config, "model_type", None) not in CAUSAL_SDPA_MODELS:
         return False
     configs = [m.config for m in hf.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
     for config in configs:
