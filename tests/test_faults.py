@@ -341,3 +341,21 @@ def test_a_rank_waiting_on_a_lost_rank_exits_at_torchruns_sigterm(tmp_path):
     assert r.returncode != 0 and len(hung) == 1, r.stderr[-3000:]
     assert "trainer: rank 0: lost rank 1 (pid " in r.stderr and "exiting now" in r.stderr, r.stderr[-3000:]
     assert ended - hung[0] < 15, (ended - hung[0], r.stderr[-3000:])  # torchrun's timeout alone is 30 s
+
+
+@pytest.mark.parametrize("under_torchrun", [True, False])
+def test_a_torchrun_worker_on_its_way_out_keeps_its_exit_code_at_torchruns_sigterm(under_torchrun):
+    """torchrun SIGTERMs every rank once one exits: a rank that had decided to exit 2 (a config error every rank
+    found) then still exits 2, not -15. Outside torchrun the signal is left alone."""
+    code = (
+        "import os, signal, time\n"
+        "from trainer.cli import _exit_on_sigterm\n"
+        "_exit_on_sigterm(2)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    if under_torchrun:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, timeout=60)
+    assert r.returncode == (2 if under_torchrun else -signal.SIGTERM)

@@ -218,7 +218,28 @@ def _split_resume(overrides: list[str]) -> tuple[list[str], str | None]:
 def main(argv: list[str] | None = None) -> int:
     from trainer.distributed.env import exit_code
 
-    return exit_code(_main(argv))  # a torchrun worker that used gloo exits here (see exit_code)
+    code = _main(argv)
+    _exit_on_sigterm(code)
+    return exit_code(code)  # a torchrun worker that used gloo exits here (see exit_code)
+
+
+def _exit_on_sigterm(code: int) -> None:
+    """Under torchrun, from here the process only exits, with ``code``: a SIGTERM now ends it with that code at once.
+    torchrun sends one to every rank when a rank exits; a rank that had decided its own exit (2 for a config error
+    that every rank found) would otherwise die of the signal (-15) on its way out."""
+    import signal
+    import threading
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not a torchrun worker
+        return
+
+    def exit_now(*_) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, exit_now)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -234,6 +255,7 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
         if os.environ.get("TRAINER_DEBUG"):
             raise
+        _exit_on_sigterm(EXIT_USER_ERROR)  # said below, then exits 2 whatever torchrun sends meanwhile
         _user_error(e)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
