@@ -36,6 +36,12 @@ def user_data(seq: int, batch: int, device: torch.device, *, rank: int = 0, worl
                    seed=seed, device=device)  # fmt: skip
 
 
+def float8_linear(module: nn.Module, fqn: str) -> bool:
+    """torchao's float8 training as a user applies it (``convert_to_float8_training``'s ``module_filter_fn``): every
+    linear but the LM head, where both dimensions are multiples of 16 (what float8 matmuls need)."""
+    return not fqn.endswith("lm_head") and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
 def user_fsdp(model: nn.Module, bf16: bool) -> nn.Module:
     """FSDP2 as a user applies it: ``fully_shard`` per block, then the root (kept gathered after forward), bf16
     parameters when ``bf16``, fp32 gradient reduction. Returns ``model``, sharded in place."""

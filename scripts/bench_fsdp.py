@@ -161,8 +161,10 @@ def run_loop(a, job: dict) -> dict:
     if job["spec"].get("fp8"):  # torchtitan's float8: every linear but the head, float8 all-gather, scales per step
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+        from scripts._user_loop import float8_linear
+
         f8 = Float8LinearConfig(enable_fsdp_float8_all_gather=cuda, emulate=not cuda)
-        convert_to_float8_training(hf, config=f8, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+        convert_to_float8_training(hf, config=f8, module_filter_fn=float8_linear)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
     # One context factory for every layer: Dynamo guards on it, so the layers share one compiled graph.
     selective = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}

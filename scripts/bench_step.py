@@ -99,10 +99,9 @@ def run_user(a, compile_model: bool, synced: bool = False, fp8: bool = False) ->
     if fp8:
         from torchao.float8 import convert_to_float8_training
 
-        def eligible(m, fqn: str) -> bool:
-            return not fqn.endswith("lm_head") and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        from scripts._user_loop import float8_linear
 
-        convert_to_float8_training(model, module_filter_fn=eligible)
+        convert_to_float8_training(model, module_filter_fn=float8_linear)
     batches = user_data(a.seq, a.batch, dev)
     step_fn = user_step(model, torch.compile(model) if compile_model else model, batches, dev)
     torch.cuda.reset_peak_memory_stats()
