@@ -33,19 +33,6 @@ def test_cudagraphs_takes_ddp_over_nccl_only():
         )
 
 
-def test_cudagraphs_takes_blocks_of_a_built_in_model_only():
-    load_config(ROOT / "configs/tiny.yaml", ["compile.cudagraphs=true", "compile.scope=blocks"])  # accepted
-    hf = ["model.preset=null", "model.hf=configs/hf/llama-3.2-1b", "data.vocab_size=null"]
-    with pytest.raises(ConfigError, match="compile.cudagraphs: needs compile.scope=model for a model.hf model"):
-        load_config(ROOT / "configs/tiny.yaml", ["compile.cudagraphs=true", "compile.scope=blocks", *hf])
-    from trainer.compile.graphed import blocker
-    from trainer.schema import graphed_step_settings
-
-    cfg = load_config(ROOT / "configs/tiny.yaml", ["compile.scope=blocks", *hf])
-    assert blocker(True, **graphed_step_settings(cfg)).startswith("compile.scope=blocks (needs model for a model.hf")
-    assert blocker(True, **graphed_step_settings(load_config(ROOT / "configs/tiny.yaml", hf))) is None
-
-
 def test_cudagraphs_refusal_is_a_user_error(tmp_path, capsys):
     bad = ["compile.cudagraphs=true", "optim.impl=compiled"]
     r = cli(capsys, "fit", "configs/tiny.yaml", *FAST, *bad, f"run.dir={tmp_path}")

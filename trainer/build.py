@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 
@@ -374,7 +375,7 @@ def wrap(
 
         buckets = shards.plan if shards is not None else plan.layout_of(model)
         c = cfg.compile
-        if compile and splits_at_buckets(plan.compiled, c.scope, c.autograd):
+        if compile and splits_at_buckets(plan.compiled, plan.scope, c.autograd):
             from trainer.compile.capture import inner_backend
 
             backend = inner_backend(c.backend, c.mode, dict(c.inductor_options), plan.kernels)
@@ -383,7 +384,8 @@ def wrap(
     if compile and plan.compiled and not is_sharded(model):
         from trainer.compile.capture import apply_compile
 
-        model = apply_compile(model, cfg.compile, backend=splitter, kernels=plan.kernels)
+        scoped = dataclasses.replace(cfg.compile, scope=plan.scope)
+        model = apply_compile(model, scoped, backend=splitter, kernels=plan.kernels)
     if buckets is not None:
         from trainer.distributed.fsdp import DTYPES
 
@@ -399,8 +401,6 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
 
     Raises:
         ConfigError: a tensor-parallel layout the model cannot take (:mod:`trainer.distributed.tp`)."""
-    import dataclasses
-
     from trainer.distributed.fsdp import DTYPES, apply_fsdp, describe_units, full_state, materialize_from_rank0
 
     cfg = plan.cfg
@@ -413,7 +413,7 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
     if plan.compiled:
         from trainer.compile.capture import apply_compile
 
-        if c.scope == "model":
+        if c.scope == "model":  # auto resolves to blocks under fsdp, and says so
             console.info(
                 "fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP"
             )

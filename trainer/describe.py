@@ -18,7 +18,7 @@ def describe_path(plan: plan_rules.Plan, opt) -> str:
 
     cfg, why = plan.cfg, plan.compile_reasons
     c = cfg.compile
-    scope = "whole model" if c.scope == "model" else "each block"
+    scope = "whole model" if plan.scope == "model" else "each block"
     path = f"compiled ({c.backend}, {scope})" if plan.compiled else "eager"
     if c.autograd:
         path += " + compiled autograd"
@@ -189,7 +189,7 @@ def ddp_plan_report(model: nn.Module, run_plan: plan_rules.Plan, splitter=None) 
     d = cfg.distributed
     plan = splitter.plan if splitter is not None else plan_buckets(model, d.bucket_mb, c.blocks, d.split_tail)
     lines = []
-    if splits_at_buckets(compiled, c.scope, c.autograd):
+    if splits_at_buckets(compiled, run_plan.scope, c.autograd):
         if splitter is None:
             splitter = ddp.PlanSplitter(plan, inner_backend("eager"))
             idx = torch.zeros(1, cfg.data.seq_len, dtype=torch.long, device=next(model.parameters()).device)

@@ -58,7 +58,7 @@ def requirements(
     inductor_options: dict | None,
     shard_optimizer: bool,
     scope: str = "model",
-    hf: bool = False,
+    masks: str | None = None,
 ) -> list[tuple[bool, str, object, str]]:
     """``(unmet, key, value, what it needs)`` for each thing the graphed step needs of a run.
 
@@ -75,8 +75,9 @@ def requirements(
         mode: ``compile.mode``.
         inductor_options: ``compile.inductor_options``.
         shard_optimizer: ``distributed.shard_optimizer``.
-        scope: ``compile.scope``.
-        hf: whether the model is a Hugging Face one (``model.hf``).
+        scope: ``compile.scope`` (as resolved: ``auto`` is neither).
+        masks: why a ``model.hf`` model makes its attention mask between compiled blocks
+            (:func:`trainer.models.hf.mask_between_blocks`); None where it makes none, or it is not known yet.
     """
     from trainer.compile.capture import inductor_options as options_of
 
@@ -109,12 +110,14 @@ def requirements(
         ),
         (optim_name == "sgd", "optim.name", optim_name, "adamw or adam (torch's SGD has no capturable mode)"),
         (
-            # Measured on an H200 (transformers 5.17): Dynamo traces a compiled block again inside the capture and
-            # the capture fails (cudaErrorStreamCaptureInvalidated), with transformers' attention mask built or not.
-            hf and scope == "blocks",
+            # Measured on an H200 (transformers 5.17): a mask made in eager code between the blocks is a new input
+            # of every block inside the capture, which traces the blocks again and fails
+            # (cudaErrorStreamCaptureInvalidated). With no mask made the blocks capture.
+            scope == "blocks" and masks is not None,
             "compile.scope",
             scope,
-            "model for a model.hf model (its compiled blocks are traced again inside the capture)",
+            f"model for this model.hf model ({masks}: a new input of every compiled block, traced again inside "
+            "the capture)",
         ),
         (
             shard_optimizer and strategy == "ddp",

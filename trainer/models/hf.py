@@ -364,6 +364,23 @@ CAUSAL_SDPA_MODELS = frozenset(
 )  # fmt: skip
 
 
+def mask_between_blocks(config, documents: bool) -> str | None:
+    """Why a Hugging Face model of ``config`` makes an attention mask in eager code between its blocks each forward
+    (the blocks compiled one by one, ``compile.scope: blocks``); None where :func:`causal_sdpa_without_mask` leaves
+    it none to make: an architecture of :data:`CAUSAL_SDPA_MODELS`, whole causal sequences (``documents``: packed
+    documents, which keep their mask), no sliding window, no chunked attention."""
+    if documents:
+        return "packed documents keep transformers' document mask"
+    kind = getattr(config, "model_type", None)
+    if kind not in CAUSAL_SDPA_MODELS:
+        return f"transformers makes the attention mask of a {kind} model"
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if window or kinds != {"full_attention"} or getattr(config, "attention_chunk_size", None):
+        return "its sliding-window or chunked attention keeps transformers' mask"
+    return None
+
+
 def causal_sdpa_without_mask(model: nn.Module) -> bool:
     """Build no attention mask for a Hugging Face model on SDPA that trains on whole causal sequences: SDPA then runs
     with ``is_causal``. Returns whether it applied: an :class:`HFCausalLM` of an architecture in
@@ -377,16 +394,11 @@ def causal_sdpa_without_mask(model: nn.Module) -> bool:
     captured it takes itself for tracing and makes a dense ``(B, 1, T, T)`` mask instead, a new input of every block.
     """
     hf = getattr(model, "hf", None)
-    if not isinstance(model, HFCausalLM) or model.documents is not None or attention_of(model) != "sdpa":
-        return False
-    if getattr(hf.config, "model_type", None) not in CAUSAL_SDPA_MODELS:
+    if not isinstance(model, HFCausalLM) or attention_of(model) != "sdpa":
         return False
     configs = [m.config for m in hf.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
-    for config in configs:
-        window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if window or kinds != {"full_attention"} or getattr(config, "attention_chunk_size", None):
-            return False
+    if any(mask_between_blocks(c, model.documents is not None) for c in [hf.config, *configs]):
+        return False
     if not all(getattr(m, "is_causal", True) for m in hf.modules() if hasattr(m, "num_key_value_groups")):
         return False
     from transformers import AttentionInterface
