@@ -49,7 +49,10 @@ def explain_memory(
     world.join()
     s = Session(config, overrides, None, reuse=False, say=(lambda *_: None) if world.rank else say)
     s.per_rank = None  # one micro-batch a step: the probes' sizes need not divide the global batch
-    probe_modes(s, b0)
+    try:
+        probe_modes(s, b0)
+    finally:
+        s.runner.close()
     if world.rank == 0:
         say(s.estimate.describe(GRID, f"memory per rank of {world.size}, predicted:"))
         say(memory.peak_table(s.estimate, [b for b in GRID if b >= b0][:12]))

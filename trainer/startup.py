@@ -20,7 +20,10 @@ _MARKS: list[tuple[str, float]] = []
 
 
 def started_at() -> float | None:
-    """When this process was created, in seconds since the epoch (from Linux's /proc, to 10 ms), or None."""
+    """When this process was created, in seconds since the epoch (from Linux's /proc, to 10 ms), or None; for a
+    spare of ``trainer tune`` (:func:`trainer.tune_runs.spare_main`), when it was given its run."""
+    if given := os.environ.get("TRAINER_STARTED_AT"):
+        return float(given)
     try:
         ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])

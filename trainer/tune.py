@@ -70,7 +70,8 @@ class Session:
         self.work = work_dir(cfg)
         self.started, self.budget_s = time.monotonic(), budget_s
         deadline = None if budget_s is None else self.started + budget_s
-        self.runner = Runner(config, overrides, self.work, self.world, deadline, say)
+        # A spare imports while a candidate runs: on CUDA only, where the candidate's step does not need the cores.
+        self.runner = Runner(config, overrides, self.work, self.world, deadline, say, spares=on_cuda(cfg))
         corpus = load_corpus(
             cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len, dtype=cfg.data.dtype
         )
@@ -408,9 +409,12 @@ def tune(config: str, overrides: list[str], budget_s: float, shipped: bool = Fal
             "tune: the global batch is one sequence per rank: only the checkpointing mode is searched "
             f"(raise {_batch_key(s)} to search larger micro-batches)"
         )
-    if on_cuda(s.cfg):
-        s.trace()
-    search(s)
+    try:
+        if on_cuda(s.cfg):
+            s.trace()
+        search(s)
+    finally:
+        s.runner.close()
     if world.size > 1:
         import torch.distributed as dist
 

@@ -1,8 +1,15 @@
 """The candidate runs of ``trainer tune`` and ``trainer explain --memory --measure``: where the tune process stands
-under torchrun (:class:`World`), and a candidate's ``trainer fit`` in child processes, measured (:class:`Runner`)."""
+under torchrun (:class:`World`), and a candidate's ``trainer fit`` in child processes, measured (:class:`Runner`).
+
+On one node of one process, each candidate after the first runs in a *spare*: a process started while the previous
+candidate ran, which has imported torch, transformers (the model's own module), Dynamo, Inductor and trainer, and
+waits with no CUDA context (so it holds no device memory) for the arguments of the next candidate
+(:func:`spare_main`). Its run is the run a new process would make; only the imports were done ahead.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -16,7 +23,7 @@ from trainer import console
 from trainer.memory import GB, Point
 from trainer.plot import read_metrics
 
-STEPS, LOG_EVERY = 8, 4  # a candidate's run: rows at 4 (compile; the graph's capture at the 4th step) and 8 (steady)
+STEPS, LOG_EVERY = 6, 2  # a candidate's run: rows at 2 (compile), 4 (the graph's capture at the 4th step), 6 (steady)
 CHILD_ENV_DROP = (
     "RANK",
     "LOCAL_RANK",
@@ -83,6 +90,8 @@ class Runner:
     say: object = console.info
     steps: int = STEPS
     log_every: int = LOG_EVERY
+    spares: bool = False  # candidates after the first start in a process that imported ahead (one node, one process)
+    _spare: tuple[subprocess.Popen, Path] | None = field(default=None, repr=False)
 
     def run(self, mode: str, micro_batch: int, overrides: list[str], predicted: float | None = None) -> Point:
         """One candidate's measurement (on rank 0; the other ranks' copies carry no numbers)."""
@@ -149,19 +158,50 @@ class Runner:
             ]
         else:
             cmd = [sys.executable, "-m", "trainer", *args]
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = self._take_spare(args, log) if self.world.size == 1 else None
+        if proc is None:
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if self.world.size == 1 and self.spares:
+            self._start_spare(env)  # its imports overlap this candidate's run
+        try:
+            timeout = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 15)
             try:
-                timeout = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())
-                return proc.wait(timeout=timeout)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 15)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)
-                    proc.wait()
-                return "budget"
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            return "budget"
+
+    def _start_spare(self, env: dict) -> None:
+        go = self.work / "runs" / f".spare-{os.getpid()}-{time.monotonic_ns()}.json"
+        cmd = [sys.executable, "-m", "trainer.tune_runs", str(go), self.config, *self.overrides]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env, start_new_session=True)  # fmt: skip
+        self._spare = (proc, go)
+
+    def _take_spare(self, args: list[str], log: Path) -> subprocess.Popen | None:
+        """The spare, given ``args`` (its output to ``log``); None where there is none alive."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare[0].poll() is not None:
+            return None
+        proc, go = spare
+        from trainer.io import atomic_write_text
+
+        atomic_write_text(go, json.dumps({"args": args, "log": str(log)}))
+        return proc
+
+    def close(self) -> None:
+        """End the spare, if one is waiting."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[0].poll() is None:
+            spare[0].kill()
+            spare[0].wait()
+        if spare is not None:
+            spare[1].unlink(missing_ok=True)
 
     def _gather(self, code):
         if self.world.size == 1:
@@ -181,7 +221,59 @@ def _free_port() -> int:
 
 def plan_facts(work: Path) -> dict:
     """plan.json of the latest candidate run that wrote one: the device's memory and capability."""
-    import json
-
     plans = sorted((work / "runs").glob("*/plan.json"), key=lambda p: p.stat().st_mtime)
     return json.loads(plans[-1].read_text()) if plans else {}
+
+
+def preload(config: str, overrides: list[str]) -> None:
+    """Import what a candidate's ``trainer fit`` of ``config`` imports on its way to the first step, creating no CUDA
+    context: torch with Dynamo and Inductor, trainer's run and kernels, and for a ``model.hf`` model transformers
+    with its architecture's module. What fails here is left for the run to meet and say."""
+    import importlib
+
+    for name in ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.lowering", "trainer.loop",
+                 "trainer.ops.add_layer_norm", "trainer.ops.add_rms_norm", "trainer.ops.linear_cross_entropy",
+                 "torchao.float8"):  # fmt: skip
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001, S112 - not installed, or failing: the run says so
+            continue
+    try:
+        from trainer.config import load_config
+
+        cfg = load_config(config, overrides)
+        if cfg.model.hf is not None:
+            from transformers import AutoModelForCausalLM
+
+            from trainer.models.hf import load_hf_config
+
+            hf = load_hf_config(cfg.model.hf, dict(cfg.model.hf_overrides or {}))
+            AutoModelForCausalLM._model_mapping[type(hf)]  # imports the architecture's modeling module
+    except Exception:  # noqa: BLE001, S110 - the run meets it again and says it
+        pass
+
+
+def spare_main(go: Path, config: str, overrides: list[str]) -> int:
+    """A spare: preload, then wait for ``go`` (written by :meth:`Runner._take_spare`: the candidate's arguments and
+    log file) and run ``trainer fit`` with them; ends with no run where the tune process is gone."""
+    parent = os.getppid()
+    preload(config, overrides)
+    while not go.is_file():
+        if os.getppid() != parent:
+            return 0
+        time.sleep(0.02)
+    request = json.loads(go.read_text())
+    go.unlink(missing_ok=True)
+    os.environ["TRAINER_STARTED_AT"] = str(time.time())  # the run's start phases count from here (trainer.startup)
+    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [sys.argv[0], *request["args"]]
+    from trainer.cli import main
+
+    return main(request["args"])
+
+
+if __name__ == "__main__":
+    sys.exit(spare_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3:]))
