@@ -121,10 +121,12 @@ def test_explain_and_the_memory_model_count_the_units_kept_gathered():
     text = fsdp_units_report(model, cfg("distributed.keep_gathered=2"))
     kept = [line for line in text.splitlines() if "kept gathered" in line]
     assert len(kept) == 2 and "transformer.h.4 " in kept[0] and "transformer.h.3 " in kept[1], text
+    root = sum(p.numel() for p in model.parameters()) - 5 * block  # embeddings, final norm, head: the root's
     gathered = {k: static_parts(model, cfg(f"distributed.keep_gathered={k}"), world=2)["gathered (fsdp)"][0]
                 for k in (0, 1, 3)}  # fmt: skip
-    assert gathered[0] == gathered[1] == 2 * block * 2  # two bf16 units: the one computing, the one prefetched
-    assert gathered[3] == 4 * block * 2  # three kept, one prefetched
+    # two bf16 units (the one computing, the one prefetched), and the root's, not resharded after its forward
+    assert gathered[0] == gathered[1] == (2 * block + root) * 2
+    assert gathered[3] == (4 * block + root) * 2  # three kept, one prefetched
     every = static_parts(model, cfg("distributed.reshard_after_forward=false"), world=2)["gathered (fsdp)"][0]
     assert every == sum(p.numel() for p in model.parameters()) * 2
 

@@ -7,8 +7,9 @@ The prediction is a sum of parts:
   (AdamW two, SGD with momentum one), all three divided by the world under fsdp, the state alone under
   ``distributed.shard_optimizer``;
 - **fsdp's gathered parameters**: two units in ``distributed.param_dtype`` (the one computing, the one prefetched),
-  or the ``distributed.keep_gathered`` units kept from the forward into the backward and one prefetched, or every
-  unit with ``distributed.reshard_after_forward=false``;
+  or the ``distributed.keep_gathered`` units kept from the forward into the backward and one prefetched, and the
+  root's (embeddings, head: never resharded after its forward), or every unit with
+  ``distributed.reshard_after_forward=false``;
 - **the workspace**: cuBLAS's, a fixed 64 MiB on CUDA;
 - **the optimizer step's temporaries** (torch's ``foreach`` Adam keeps one fp32 tensor per parameter; ``fused``
   and the Triton optimizer none), which replace the activations once the backward has freed them: the peak is
@@ -90,20 +91,24 @@ def static_parts(
         if not cfg.distributed.reshard_after_forward:
             parts["gathered (fsdp)"] = (n * gathered_bytes, "every unit stays gathered from forward to backward")
         else:
+            root = 0  # the root's parameters (embeddings, head): not resharded after the forward (apply_fsdp)
             try:
                 units = block_units(model, cfg.compile.blocks, cfg.distributed.fsdp_unit_mb or None)
                 sizes = [sum(p.numel() for m in u for p in m.parameters()) for u in units]
+                in_units = {id(p) for u in units for m in u for p in m.parameters()}
+                root = sum(p.numel() for p in params if id(p) not in in_units)
             except ValueError:  # no repeated blocks: one unit
                 sizes = [n]
             kept = kept_units(len(sizes), True, cfg.distributed.keep_gathered)
             # At the backward's start: the kept units, and the next one prefetched; at least two units (the one
-            # computing, the one prefetched) at any time.
-            held = max(sum(sizes[:kept]) + max(sizes[kept:], default=0), 2 * max(sizes))
+            # computing, the one prefetched) at any time; and the root's, gathered from its forward to the end of
+            # its backward.
+            held = max(sum(sizes[:kept]) + max(sizes[kept:], default=0), 2 * max(sizes)) + root
             what = (
                 f"{kept} unit(s) kept from forward to backward, one prefetched"
                 if kept > 1
                 else "two units: the one computing, the one prefetched"
-            )
+            ) + (f"; the root's {_count(int(root))} from forward to backward" if root else "")
             parts["gathered (fsdp)"] = (held * gathered_bytes, what)
     if device_type == "cuda":
         parts["workspace"] = (WORKSPACE, "cuBLAS")
@@ -184,7 +189,7 @@ class Estimate:
     points: list[Point] = field(default_factory=list)
     transient: tuple[float, str] = (0.0, "")  # the optimizer step's temporaries (step_transient)
     traced: dict = field(default_factory=dict)  # mode -> trainer.memory.trace.Traced: the step's graphs counted
-    keep_grads: bool = True  # the backward makes the gradients (one micro-batch a step, not fsdp): not live before
+    keep_grads: bool = True  # the backward makes the gradients (one micro-batch a step): not live before it
 
     @property
     def static(self) -> float:
@@ -219,7 +224,11 @@ class Estimate:
             return None
         traced = self.traced[mode]
         made = self.parts.get("gradients", (0.0, ""))[0] if self.keep_grads else 0.0  # in the traced backward
-        return self.static - made + max(traced.activations(micro_batch, self.keep_grads), self.transient[0])
+        # Each traced gradient byte as the run holds it: the gradients part over the traced step's gradients (1 on
+        # one GPU; a rank's shard in the stored dtype under fsdp, where the trace computes in the gathered one).
+        scale = made / traced.grads() if made and traced.grads() else 0.0
+        # The optimizer step runs after the backward, with every gradient made.
+        return self.static - made + max(traced.activations(micro_batch, scale), made + self.transient[0])
 
     def source(self, mode: str) -> str | None:
         """Where ``mode``'s activations come from: "measured" (its probes: a line through two of them beats the
@@ -351,17 +360,22 @@ def traced_estimate(
 
 
 def grads_made_in_backward(cfg: Config, world: int) -> bool:
-    """Whether the step's backward makes the gradients (one micro-batch a step, not fsdp), so that they are not live
-    before it; else they exist from the first micro-batch on (accumulation) or are reduced to shards as made."""
+    """Whether the step's backward makes the gradients (one micro-batch a step), so that they are not live before it:
+    the step ends with ``zero_grad(set_to_none=True)``, and under fsdp each unit's reduce-scatter makes its shard of
+    them as the backward reaches it; else they exist from the first micro-batch on (accumulation)."""
     t, strategy = cfg.train, _strategy(cfg, world)
     per_rank = t.global_batch_size // strategy.dp_ranks if t.global_batch_size else None
     accumulates = t.grad_accum > 1 if per_rank is None else per_rank > t.micro_batch_size
-    return not accumulates and not strategy.fsdp
+    return not accumulates
+
+
+TRACE_FORMAT = 2  # of trainer.memory.trace.Walk: traces kept in another are traced again
 
 
 def traced_key(cfg: Config, world: int) -> str:
-    """What a traced step depends on: :func:`memory_key` at world 1 (one rank's step), and whether it is sharded."""
-    return memory_key(cfg, 1) + (" fsdp" if _strategy(cfg, world).fsdp else "")
+    """What a traced step depends on: :func:`memory_key` at world 1 (one rank's step), whether it is sharded, and the
+    format the trace is kept in (:data:`TRACE_FORMAT`)."""
+    return memory_key(cfg, 1) + (" fsdp" if _strategy(cfg, world).fsdp else "") + f" trace {TRACE_FORMAT}"
 
 
 def load_traced(path: Path, key: str) -> dict:

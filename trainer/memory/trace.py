@@ -8,16 +8,21 @@ joint-graph passes, the min-cut partitioner with the parameters free to save), a
 code is generated and no op runs.
 
 Over the partitioned forward and backward graphs, in their order, each op's result is allocated when made and
-freed after the last op that reads its storage (views and in-place results share their source's); a graph's
-outputs stay: the forward's saved tensors, and the backward's gradients where the step makes them (one micro-batch
-a step; with accumulation each is added to a gradient that exists and freed). The backward starts with the saved
-tensors (less the parameters and inputs, which exist anyway). The live bytes after each op are kept in two parts:
-what scales with the micro-batch (a result computed from the token inputs with a dimension of B or B·T) and what
-does not; so one trace, at micro-batch :data:`TRACE_BATCH`, gives the peak at any micro-batch.
+freed after the last op that reads its storage (views and in-place results share their source's); the forward's
+outputs stay (its saved tensors). The backward starts with the saved tensors (less the parameters and inputs, which
+exist anyway); its outputs, the gradients, are counted apart, as the bytes made so far after each op, so that the
+estimate can hold them as the run does: as made (one micro-batch a step, the gradients made in the backward: whole
+on one GPU, each rank's shard under fsdp) or not at all (with accumulation they are added to gradients that exist,
+a part of their own). The live bytes after each op are kept in two parts: what scales with the micro-batch (a
+result computed from the token inputs with a dimension of B or B·T) and what does not; so one trace, at micro-batch
+:data:`TRACE_BATCH`, gives the peak at any micro-batch.
 
-The full depth of L blocks: the peak with two blocks plus L-2 times what one more block saves. The peak comes at
-the forward's end or early in the backward, while every block's saved tensors are live; a model without repeated
-blocks is traced whole.
+The full depth of L blocks, from the traces with one and two blocks: each point of the two-block step plus L-2
+times what one more block holds there. In the forward, and in the backward until the first block's gradients are
+all made, that is what one more block saves (every block's saved tensors are live at the forward's end); once
+every block's gradients are made, it is one more block's gradients; in between (the second block's backward, which
+stands for any of the blocks below the first at full depth) the larger of the two. A model without repeated blocks
+is traced whole.
 """
 
 from __future__ import annotations
@@ -37,17 +42,35 @@ TRACE_BATCH = 3  # the traced micro-batch: a dimension of 3 or 3·T is the batch
 
 @dataclass
 class Walk:
-    """One depth's step: live bytes after each op as ``(scaling, fixed)`` at :data:`TRACE_BATCH`, for the forward,
-    and for the backward with its gradients kept and freed; and the bytes saved for the backward."""
+    """One depth's step at :data:`TRACE_BATCH`: the live bytes after each op of the forward as ``(scaling, fixed)``;
+    of the backward as ``(scaling, fixed, gradients, blocks)``: its activations and temporaries, the bytes of the
+    gradients made so far (as traced) and how many blocks have all their gradients made; the bytes saved for the
+    backward, and of every gradient the backward makes (as traced)."""
 
     forward: list[tuple[int, int]]
-    backward_keeping: list[tuple[int, int]]
-    backward_adding: list[tuple[int, int]]
+    backward: list[tuple[int, int, int, int]]
     saved: tuple[int, int]
+    grads: int
 
-    def peak(self, micro_batch: int, keep_grads: bool) -> float:
-        series = self.forward + (self.backward_keeping if keep_grads else self.backward_adding)
-        return max(fixed + scaling * micro_batch / TRACE_BATCH for scaling, fixed in series)
+    def peak(self, micro_batch: int, grad_scale: float, block_saved: float = 0.0, block_grads: float = 0.0,
+             more: int = 0) -> float:  # fmt: skip
+        """The peak at ``micro_batch`` with each traced gradient byte held as ``grad_scale`` bytes (0: not held), and
+        ``more`` blocks than traced: each holding ``block_saved`` bytes in the forward and until the first block's
+        gradients are made, ``block_grads`` bytes once every traced block's are, the larger of the two between."""
+        x = micro_batch / TRACE_BATCH
+        forward = max(fixed + scaling * x for scaling, fixed in self.forward) + more * block_saved
+        depth = max((done for *_, done in self.backward), default=0)
+
+        def extra(done: int) -> float:
+            if done == 0:
+                return more * block_saved
+            return more * (block_grads if done >= depth else max(block_saved, block_grads))
+
+        backward = max(
+            (fixed + scaling * x + grads * grad_scale + extra(done) for scaling, fixed, grads, done in self.backward),
+            default=0.0,
+        )
+        return max(forward, backward)
 
     def saved_at(self, micro_batch: int) -> float:
         return self.saved[1] + self.saved[0] * micro_batch / TRACE_BATCH
@@ -63,13 +86,21 @@ class Traced:
     two: Walk | None = None  # None: the model was traced whole
     seconds: float = 0.0
 
-    def activations(self, micro_batch: int, keep_grads: bool) -> float:
-        """The peak bytes of the step's activations and temporaries (and, with ``keep_grads``, its gradients made in
-        the backward) at ``micro_batch``."""
+    def activations(self, micro_batch: int, grad_scale: float) -> float:
+        """The peak bytes of the step's activations and temporaries at ``micro_batch``, with the gradients the
+        backward makes held as made, each traced byte as ``grad_scale`` bytes (1: as traced, one GPU; a rank's shard
+        under fsdp; 0: not held, counted as a part of their own)."""
         if self.two is None:
-            return self.one.peak(micro_batch, keep_grads)
-        per_block = self.two.saved_at(micro_batch) - self.one.saved_at(micro_batch)
-        return self.two.peak(micro_batch, keep_grads) + (self.blocks - 2) * per_block
+            return self.one.peak(micro_batch, grad_scale)
+        block_saved = self.two.saved_at(micro_batch) - self.one.saved_at(micro_batch)
+        block_grads = (self.two.grads - self.one.grads) * grad_scale
+        return self.two.peak(micro_batch, grad_scale, block_saved, block_grads, self.blocks - 2)
+
+    def grads(self) -> float:
+        """Bytes of every gradient the backward makes at full depth, as traced."""
+        if self.two is None:
+            return self.one.grads
+        return self.two.grads + (self.blocks - 2) * (self.two.grads - self.one.grads)
 
     def saved_per_sequence(self) -> float:
         """Bytes saved for the backward per sequence, at full depth."""
@@ -83,7 +114,8 @@ class Traced:
 
     @classmethod
     def from_dict(cls, d: dict) -> Traced:
-        walks = {k: Walk(**{f: tuple(v) if f == "saved" else [tuple(x) for x in v] for f, v in d[k].items()})
+        walks = {k: Walk(**{f: tuple(v) if f == "saved" else [tuple(x) for x in v] if isinstance(v, list) else v
+                            for f, v in d[k].items()})
                  for k in ("one", "two") if d.get(k)}  # fmt: skip
         return cls(d["mode"], d["blocks"], walks["one"], walks.get("two"), d.get("seconds", 0.0))
 
@@ -150,7 +182,7 @@ def _model(cfg: Config, vocab_size: int, depth: int | None, sharded: bool = Fals
 
 
 def _walk(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: int | None, sharded: bool) -> Walk:
-    fw, bw = _capture(cfg, vocab_size, mode, device_type, depth, sharded)
+    fw, bw, owners = _capture(cfg, vocab_size, mode, device_type, depth, sharded)
     B, T = TRACE_BATCH, cfg.data.seq_len
     tokens = {n.name for n in fw.graph.nodes if n.op == "placeholder" and _is_tokens(n, B, T)}
     fw_scaling = _scaling(fw, tokens, B, T)
@@ -162,16 +194,19 @@ def _walk(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: int 
     for n in saved:
         if n.name in made:
             saved_bytes[0 if n.name in fw_scaling else 1] += _bytes(n)
+    backward, grads = _backward(bw, bw_scaling, made, owners)
     return Walk(
         forward=_live(fw, fw_scaling, set(), keep_outputs=True),
-        backward_keeping=_live(bw, bw_scaling, made, keep_outputs=True),
-        backward_adding=_live(bw, bw_scaling, made, keep_outputs=False),
+        backward=backward,
         saved=tuple(saved_bytes),
+        grads=grads,
     )
 
 
 def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: int | None, sharded: bool):
-    """The partitioned forward and backward graphs of the step of ``cfg`` at micro-batch :data:`TRACE_BATCH`."""
+    """The partitioned forward and backward graphs of the step of ``cfg`` at micro-batch :data:`TRACE_BATCH`, and
+    for each of the backward's outputs (the gradients of the forward's inputs, in their order) the index of the
+    repeated block whose parameter it is the gradient of (None: not a block's)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
@@ -181,6 +216,7 @@ def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: i
     from trainer import plan as plan_rules
     from trainer.compile.capture import LossOnly, resolve_kernels
     from trainer.compile.passes.substitute import KernelLog, substituting
+    from trainer.models.blocks import find_blocks
 
     cfg = copy.deepcopy(cfg)
     cfg.train.activation_checkpointing = mode
@@ -197,9 +233,18 @@ def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: i
         raise _Captured
 
     aot = aot_autograd(fw_compiler=stop, bw_compiler=stop, partition_fn=partition, decompositions=select_decomp_table())
+
+    def recording(gm, example_inputs):  # the graph's inputs: the forward's primals, in order
+        got["inputs"] = list(example_inputs)
+        return aot(gm, example_inputs)
+
     kernels = resolve_kernels(cfg.compile.kernels, device_type)
-    backend = substituting(aot, kernels, KernelLog())  # a log of its own: the run's report is not this trace's
+    backend = substituting(recording, kernels, KernelLog())  # a log of its own: the run's report is not this trace's
     model = _model(cfg, vocab_size, depth, sharded)
+    try:
+        block_of = {id(p): i for i, b in enumerate(find_blocks(model, cfg.compile.blocks)[1]) for p in b.parameters()}
+    except ValueError:  # no repeated blocks: traced whole
+        block_of = {}
     with console.quiet():
         build.checkpoint_activations(model, plan)
     tokens = torch.zeros(TRACE_BATCH, cfg.data.seq_len, dtype=torch.long)
@@ -216,7 +261,15 @@ def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: i
         torch._dynamo.reset()
     if "graphs" not in got:
         raise RuntimeError("the step's graphs were not captured (a graph break before the loss?)")
-    return got["graphs"]
+    fw, bw = got["graphs"]
+    grads = list(bw.graph.output_node().args[0])
+    primals = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    inputs = got.get("inputs", [])
+    # The backward returns one gradient (or None) per primal; the primals are the graph's inputs in order. Where
+    # that does not hold, no gradient is attributed to a block (the full depth then counts saved tensors alone).
+    aligned = len(grads) == len(primals) == len(inputs)
+    owners = [block_of.get(id(t)) if aligned else None for t in (inputs if aligned else grads)]
+    return fw, bw, owners
 
 
 def _captured(e: BaseException | None) -> bool:
@@ -304,6 +357,74 @@ def _live(gm: fx.GraphModule, scaling: set[str], live_inputs: set[str], keep_out
             if b in size and last.get(b, i) <= i and (b not in outputs or not keep_outputs):
                 live[b.name not in scaling] -= size.pop(b)
     return _envelope(series)
+
+
+def _backward(
+    gm: fx.GraphModule, scaling: set[str], live_inputs: set[str], owners: list[int | None]
+) -> tuple[list[tuple[int, int, int, int]], int]:
+    """The backward's points ``(scaling, fixed, gradients, blocks)`` after each op (those that can be the peak) and
+    the bytes of all its gradients: the placeholders named in ``live_inputs`` live from the start and each op's result
+    from when it is made, freed after its storage's last reader, as :func:`_live` counts them; the graph's outputs
+    (the gradients, ``owners[i]`` the block of the ``i``-th, or None) apart: ``gradients`` the bytes made so far,
+    ``blocks`` how many blocks have every gradient made."""
+    nodes = list(gm.graph.nodes)
+    base: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        src = _alias_source(n) if n.op == "call_function" else None
+        if src is not None:
+            base[n] = base.get(src, src)
+    pending: dict[int, set[fx.Node]] = {}  # per block, the storages of its gradients not made yet
+    outputs: set[fx.Node] = set()
+    for owner, a in zip(owners, gm.graph.output_node().args[0]):
+        if isinstance(a, fx.Node):
+            outputs.add(base.get(a, a))
+            if owner is not None:
+                pending.setdefault(owner, set()).add(base.get(a, a))
+    last: dict[fx.Node, int] = {}  # the last reader of each storage, the output aside
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes if n.op != "output" else ():
+            last[base.get(a, a)] = i
+    live, size, grads = [0, 0], {}, 0
+
+    def make(n: fx.Node) -> None:
+        nonlocal grads
+        if n in outputs:  # a gradient: counted apart, from when it is made
+            grads += _bytes(n)
+            for todo in pending.values():
+                todo.discard(n)
+            return
+        size[n] = _bytes(n)
+        live[n.name not in scaling] += size[n]
+
+    def point() -> tuple[int, int, int, int]:
+        return live[0], live[1], grads, sum(1 for todo in pending.values() if not todo)
+
+    for n in nodes:
+        if n.op == "placeholder" and (n.name in live_inputs or n in outputs):
+            make(n)
+    series = [point()]
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            break
+        if n.op == "call_function" and n not in base:
+            make(n)
+        series.append(point())
+        for a in {*n.all_input_nodes, n}:
+            b = base.get(a, a)
+            if b in size and last.get(b, i) <= i:
+                live[b.name not in scaling] -= size.pop(b)
+    return _front(series), grads
+
+
+def _front(series: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """The points of ``series`` that can be the maximum of ``fixed + scaling * x + gradients * y`` plus a term of
+    ``blocks`` for some x, y ≥ 0: of those with the same ``blocks``, the ones no other is at least as large in all
+    three."""
+    kept: list[tuple[int, int, int, int]] = []
+    for p in sorted(set(series), reverse=True):
+        if not any(q[3] == p[3] and q[0] >= p[0] and q[1] >= p[1] and q[2] >= p[2] for q in kept):
+            kept.append(p)
+    return kept
 
 
 def _envelope(series: list[tuple[int, int]]) -> list[tuple[int, int]]:
