@@ -52,25 +52,40 @@ def peak_flops(device: torch.device, override: float | None = None) -> float | N
 
 
 class StepTimer:
-    """Step timing from when each step's loss is read: the first (compile) step apart, then
-    tokens/s and step time between log lines. Steps are read one behind the GPU, so in steady
-    state the interval between two reads is the GPU's step time."""
+    """Step timing: the first (compile) step apart, then tokens/s and step time between log lines.
+
+    On CUDA a step's time is the GPU's, between the events recorded on the stream after the step before it and
+    after it (:func:`copy_to_host`'s): from the end of one step's work to the end of the next, the GPU's idle time
+    between them included. The host's clock at the reads would not do: a step whose launch waits on the GPU (a
+    copy from pageable memory into a micro-batch, say) returns when most of its own work is done, and the read after
+    the last step then comes a fraction of a step after the one before it (a 16-micro-batch step measured twice as
+    fast as it ran). On the CPU, and for the first step, the host's clock at each read."""
 
     def __init__(self):
         self.first_step_s = None
         self.last_tps = None
         self._last = time.perf_counter()
+        self._event = None  # the CUDA event after the last step read (or the restart), once there is one
         self._tokens = self._time = self._steps = 0
         self._all_tokens = self._all_time = 0.0
         self._times: list[float] = []
 
     def restart(self) -> None:
-        """Exclude the time since the last read (evaluation, checkpointing)."""
+        """Exclude the time since the last read (evaluation, checkpointing): the next step is timed from now (on
+        CUDA, from an event recorded now on the stream)."""
         self._last = time.perf_counter()
+        if self._event is not None:
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record()
 
-    def tick(self, tokens: int, first: bool) -> None:
+    def tick(self, tokens: int, first: bool, event=None) -> None:
+        """Step read: ``tokens`` of it; ``first``: the compile step; ``event``: the CUDA event recorded on the stream
+        after it (None on the CPU), complete by now."""
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
+        if event is not None and self._event is not None and not first:
+            seconds = self._event.elapsed_time(event) / 1e3
+        self._event = event if event is not None else self._event
         if first:
             self.first_step_s = seconds
         else:
@@ -313,7 +328,7 @@ def copy_to_host(*values):
     flat = torch.cat([v.detach().float().reshape(-1) for v in present])
     host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
     host.copy_(flat, non_blocking=True)
-    done = torch.cuda.Event()
+    done = torch.cuda.Event(enable_timing=True)  # also the step's end, for StepTimer
     done.record()
 
     def read() -> list:
@@ -321,6 +336,7 @@ def copy_to_host(*values):
         it = iter(host.tolist())
         return [value(v, it) for v in values]
 
+    read.event = done
     return read
 
 
@@ -433,7 +449,7 @@ class StepLog:
         if isinstance(loss, list):  # every rank's: the mean, and which ranks were not finite
             _check_own_slot(loss, own, self.env.rank, step)
             ranks, loss = [r for r, x in enumerate(loss) if not math.isfinite(x)], sum(loss) / len(loss)
-        self.timer.tick(self.tokens_per_step, first=first)
+        self.timer.tick(self.tokens_per_step, first=first, event=getattr(p["read"], "event", None))
         if p["out"].skipped:  # not applied: train.on_nan=skip, train.on_spike=skip
             self.skipped += 1
             console.warn(f"step {step}: {p['out'].skipped}; update skipped")
