@@ -362,3 +362,27 @@ def test_bench_checkpoint_counts_the_wait_and_the_steps_after():
     assert out["median_step_s"] == 0.1 and [c["step"] for c in out["saves"]] == [20, 30] and AFTER >= 1
     assert [round(c["stall_s"], 6) for c in out["saves"]] == [0.22, 0.24]
     assert round(out["held_s"], 6) == 0.03 and round(out["stall_s"], 6) == 0.23
+
+
+def test_bench_tune_reads_tunes_table_and_seconds_and_finds_the_grids_best():
+    from scripts import bench_tune
+
+    out = """tune: llama-1b on 1 rank, budget 300 s
+[1] train.activation_checkpointing=none train.micro_batch_size=4 train.grad_accum=16: running (29 s elapsed)
+[1] train.activation_checkpointing=none train.micro_batch_size=4 train.grad_accum=16: 63.5K tok/s, peak 35.3 GB (49 s)
+[2] train.activation_checkpointing=full train.micro_batch_size=64 train.grad_accum=1: out of memory (30 s)
+| # | candidate | tok/s | peak GB | predicted GB | status |
+|---|---|---|---|---|---|
+| 1 | train.activation_checkpointing=none train.micro_batch_size=4 | 63.5K | 35.3 | 35.0 | **fastest** |
+| 2 | train.activation_checkpointing=full train.micro_batch_size=64 train.grad_accum=1 | - | - | 60.4 | out of memory |
+| - | train.precision=fp8 micro-batch 4 | - | - | - | skipped: no budget left |
+"""
+    got = bench_tune.parse_tune(out)
+    assert [(r["n"], r["tokens_per_s"], r["peak_gb"], r["status"], r["seconds"]) for r in got["rows"]] == [
+        (1, 63500.0, 35.3, "fastest", 49.0),
+        (2, None, None, "out of memory", 30.0),
+    ]
+    assert got["fastest"]["n"] == 1
+    grid = [{"tokens_per_s": 60e3, "status": "ok"}, {"tokens_per_s": 70e3, "status": "out of memory"},
+            {"tokens_per_s": 64e3, "status": "ok"}]  # fmt: skip
+    assert bench_tune.best(grid) is grid[2]
