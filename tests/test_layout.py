@@ -19,9 +19,9 @@ LAYERS = (
     ("config", ("trainer.schema", "trainer.config")),
     ("run", ("trainer.plan", "trainer.global_batch", "trainer.step", "trainer.checkpoint", "trainer.metrics")),
     ("assembly", ("trainer.build", "trainer.model_setup", "trainer.describe", "trainer.memory")),
-    ("app", ("trainer", "trainer.__main__", "trainer.loop", "trainer.cli", "trainer.tune_runs", "trainer.tune",
-             "trainer.explain_memory", "trainer.sample", "trainer.prepare", "trainer.instruct", "trainer.sources",
-             "trainer.plot")),
+    ("app", ("trainer", "trainer.__main__", "trainer.loop", "trainer.cli", "trainer.tune_runs", "trainer.spare",
+             "trainer.tune", "trainer.explain_memory", "trainer.sample", "trainer.prepare", "trainer.instruct",
+             "trainer.sources", "trainer.plot")),
 )  # fmt: skip
 """The layers, bottom first: a module imports only from its own layer and the layers below it, at module level or
 inside a function alike. Why this order (docs/architecture.md has the table):

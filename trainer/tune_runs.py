@@ -4,7 +4,7 @@ under torchrun (:class:`World`), and a candidate's ``trainer fit`` in child proc
 On one node of one process, each candidate after the first runs in a *spare*: a process started while the previous
 candidate ran, which has imported torch, transformers (the model's own module), Dynamo, Inductor and trainer, and
 waits with no CUDA context (so it holds no device memory) for the arguments of the next candidate
-(:func:`spare_main`). Its run is the run a new process would make; only the imports were done ahead.
+(:mod:`trainer.spare`). Its run is the run a new process would make; only the imports were done ahead.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Runner:
 
     def _start_spare(self, env: dict) -> None:
         go = self.work / "runs" / f".spare-{os.getpid()}-{time.monotonic_ns()}.json"
-        cmd = [sys.executable, "-m", "trainer.tune_runs", str(go), self.config, *self.overrides]
+        cmd = [sys.executable, "-m", "trainer.spare", str(go), self.config, *self.overrides]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env=env, start_new_session=True)  # fmt: skip
         self._spare = (proc, go)
@@ -224,56 +224,3 @@ def plan_facts(work: Path) -> dict:
     plans = sorted((work / "runs").glob("*/plan.json"), key=lambda p: p.stat().st_mtime)
     return json.loads(plans[-1].read_text()) if plans else {}
 
-
-def preload(config: str, overrides: list[str]) -> None:
-    """Import what a candidate's ``trainer fit`` of ``config`` imports on its way to the first step, creating no CUDA
-    context: torch with Dynamo and Inductor, trainer's run and kernels, and for a ``model.hf`` model transformers
-    with its architecture's module. What fails here is left for the run to meet and say."""
-    import importlib
-
-    for name in ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.lowering", "trainer.loop",
-                 "trainer.ops.add_layer_norm", "trainer.ops.add_rms_norm", "trainer.ops.linear_cross_entropy",
-                 "torchao.float8"):  # fmt: skip
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001, S112 - not installed, or failing: the run says so
-            continue
-    try:
-        from trainer.config import load_config
-
-        cfg = load_config(config, overrides)
-        if cfg.model.hf is not None:
-            from transformers import AutoModelForCausalLM
-
-            from trainer.models.hf import load_hf_config
-
-            hf = load_hf_config(cfg.model.hf, dict(cfg.model.hf_overrides or {}))
-            AutoModelForCausalLM._model_mapping[type(hf)]  # imports the architecture's modeling module
-    except Exception:  # noqa: BLE001, S110 - the run meets it again and says it
-        pass
-
-
-def spare_main(go: Path, config: str, overrides: list[str]) -> int:
-    """A spare: preload, then wait for ``go`` (written by :meth:`Runner._take_spare`: the candidate's arguments and
-    log file) and run ``trainer fit`` with them; ends with no run where the tune process is gone."""
-    parent = os.getppid()
-    preload(config, overrides)
-    while not go.is_file():
-        if os.getppid() != parent:
-            return 0
-        time.sleep(0.02)
-    request = json.loads(go.read_text())
-    go.unlink(missing_ok=True)
-    os.environ["TRAINER_STARTED_AT"] = str(time.time())  # the run's start phases count from here (trainer.startup)
-    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.argv = [sys.argv[0], *request["args"]]
-    from trainer.cli import main
-
-    return main(request["args"])
-
-
-if __name__ == "__main__":
-    sys.exit(spare_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3:]))
