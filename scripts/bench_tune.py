@@ -142,6 +142,8 @@ def main() -> None:
     args = ap.parse_args()
     grid = [(m, int(b)) for m, b in (p.split(":") for p in args.grid.split(","))]
     root = Path(args.work or f"/tmp/bench_tune_{os.getpid()}")
+    if root.exists():  # tune would reuse the measurements it finds there: its table would not be this run's
+        raise SystemExit(f"--work: {root} exists; name a new directory")
     started = time.monotonic()
     tuned, tune_wall, _ = run_tune(args.config, args.overrides, args.budget_s, root / "tune.tune")
     points = run_grid(args.config, args.overrides, args.precisions.split(","), grid, root / "grid",

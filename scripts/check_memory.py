@@ -21,6 +21,7 @@ train.grad_accum=1); its peak is the log's ``torch.cuda.max_memory_allocated``. 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import sys
 import tempfile
@@ -77,6 +78,7 @@ def main() -> None:
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="check_memory_")
     s = Session(a.config, [*a.overrides, f"run.dir={work}/run", f"train.device={a.device}"], None, reuse=False)
+    atexit.register(s.runner.close)  # the spare waiting for a next run, if one is
     s.per_rank = a.per_rank
     if a.per_rank is None:  # one micro-batch a step
         s.runner.steps, s.runner.log_every = 6, 3

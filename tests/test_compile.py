@@ -249,6 +249,7 @@ def test_compile_failure_stops_or_falls_back(tmp_path, planted, capsys):
 def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
     """compile.inductor_options reach torch.compile (as options=, with compile.mode's options and the trainer's
     measured defaults under them), also through the DDP splitter's inner compiler; bad keys are config errors."""
+    import dataclasses
     import functools
 
     from trainer.compile.capture import (
@@ -276,7 +277,8 @@ def test_inductor_options_combine_mode_defaults_and_the_users(monkeypatch):
     cfg = load_config(ROOT / "configs/tiny.yaml", overrides)
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.update(kw) or model)
-    apply_compile(build_model(preset="tiny", vocab_size=64, seq_len=16), cfg.compile, say=lambda m: None)
+    scoped = dataclasses.replace(cfg.compile, scope="model")  # as the plan resolves auto on the CPU
+    apply_compile(build_model(preset="tiny", vocab_size=64, seq_len=16), scoped, say=lambda m: None)
     assert seen["options"] == {**DEFAULT_INDUCTOR_OPTIONS, "max_autotune": True}
     # The error names the override that set an option (a key below compile.inductor_options), not the YAML.
     with pytest.raises(ConfigError, match=r"\(got 'aot_eager'\) \(from override 'compile.inductor_options.max_aut"):

@@ -119,3 +119,29 @@ def test_the_run_says_its_path_and_the_first_step_its_time(tmp_path, capsys, fre
     )
     first = next(line for line in r.stdout.splitlines() if line.startswith("step      1"))
     assert first.startswith("step      1 | compiled in ") and "tok/s" not in first, first
+
+
+@pytest.mark.parametrize("scope", ["auto", "model"])
+def test_fsdp_compiles_each_block_whatever_the_scope(scope):
+    """Under fsdp a compiled root would run eagerly: the blocks are compiled, the plan's scope and line say so."""
+    from trainer.distributed.env import DistEnv
+    from trainer.plan import resolve
+
+    env = DistEnv(rank=0, local_rank=0, world_size=2, device=CPU, backend="gloo")
+    overrides = ["distributed.strategy=fsdp", "compile.enabled=true", f"compile.scope={scope}"]
+    p = resolve(load_config(ROOT / "configs/tiny.yaml", overrides), env)
+    assert p.scope == "blocks"
+    assert f"compile.scope={scope}: each block" in "; ".join(p.compile_reasons)
+    assert p.run_config().compile.scope == "blocks"
+
+
+def test_blocks_of_a_built_model_that_makes_a_mask_refuse_the_graphed_step(falcon):
+    """Where the built model turns out to make its mask between blocks the plan expected none of, compiling its
+    blocks for the graphed step stops with an error naming compile.scope (not a failed capture on the GPU)."""
+    from trainer.compile.capture import apply_compile
+    from trainer.models.hf import build_hf_model
+
+    cfg = load_config(None, ["compile.scope=blocks", "compile.backend=aot_eager"]).compile
+    with pytest.raises(ValueError, match="compile.scope: this model.hf model makes its attention mask"):
+        apply_compile(build_hf_model(falcon), cfg, no_mask=True)
+    apply_compile(build_hf_model(falcon), cfg)  # not graphed: compiled, the mask made between the blocks

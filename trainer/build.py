@@ -385,7 +385,8 @@ def wrap(
         from trainer.compile.capture import apply_compile
 
         scoped = dataclasses.replace(cfg.compile, scope=plan.scope)
-        model = apply_compile(model, scoped, backend=splitter, kernels=plan.kernels)
+        no_mask = plan.graphed and plan.scope == "blocks" and cfg.model.hf is not None
+        model = apply_compile(model, scoped, backend=splitter, kernels=plan.kernels, no_mask=no_mask)
     if buckets is not None:
         from trainer.distributed.fsdp import DTYPES
 
@@ -413,11 +414,7 @@ def shard(model: nn.Module, plan: plan_rules.Plan, env) -> None:
     if plan.compiled:
         from trainer.compile.capture import apply_compile
 
-        if c.scope == "model":  # auto resolves to blocks under fsdp, and says so
-            console.info(
-                "fsdp: compiling each block (as compile.scope=blocks): a compiled root runs eagerly under FSDP"
-            )
-        blocks = dataclasses.replace(c, scope="blocks")
+        blocks = dataclasses.replace(c, scope="blocks")  # the plan's scope under fsdp, and its line says why
         apply_compile(model, blocks, hooks_outside=True, kernels=plan.kernels)
     param_dtype = DTYPES[plan.param_dtype]
     units = plan.layout_of(model)

@@ -403,12 +403,14 @@ def compile_scope(
         from trainer.models.hf import load_hf_config, mask_between_blocks
 
         masks = mask_between_blocks(load_hf_config(m.hf, dict(m.hf_overrides or {})), documents is not None)
+    if compiled and strategy.fsdp:  # whatever the scope: a compiled root runs eagerly under FSDP
+        said = {"auto": "compile.scope=auto: each block", "model": "compile.scope=model: each block, as blocks"}
+        why = said.get(c.scope, "") and f"{said[c.scope]} (fsdp compiles the blocks, its hooks outside them)"
+        return "blocks", why or None, None
     if c.scope != "auto":
         return c.scope, None, masks
     if not compiled:
         return "model", None, None
-    if strategy.fsdp:
-        return "blocks", "compile.scope=auto: each block (fsdp compiles the blocks, its hooks outside them)", None
     if m.hf is None or device.type != "cuda" or strategy.ddp:
         why = (
             "ddp splits the whole model's graph at its buckets" if strategy.ddp

@@ -2,7 +2,7 @@
 what a candidate's ``trainer fit`` imports on its way to the first step, creating no CUDA context, then waits for
 the next candidate's arguments and runs it.
 
-    python -m trainer.spare GO_FILE CONFIG [key=value ...]
+    python -m trainer.spare TUNE_PID GO_FILE CONFIG [key=value ...]
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ def preload(config: str, overrides: list[str]) -> None:
         pass
 
 
-def spare_main(go: Path, config: str, overrides: list[str]) -> int:
+def spare_main(parent: int, go: Path, config: str, overrides: list[str]) -> int:
     """A spare: preload, then wait for ``go`` (written by :meth:`trainer.tune_runs.Runner._take_spare`: the
     candidate's arguments and log file) and run ``trainer fit`` with them; ends with no run where the tune process is
-    gone."""
-    parent = os.getppid()
+    gone (``parent``: its pid, given by it, since it may be gone before this process could ask)."""
     preload(config, overrides)
     while not go.is_file():
         if os.getppid() != parent:
@@ -55,6 +54,8 @@ def spare_main(go: Path, config: str, overrides: list[str]) -> int:
     request = json.loads(go.read_text())
     go.unlink(missing_ok=True)
     os.environ["TRAINER_STARTED_AT"] = str(time.time())  # the run's start phases count from here (trainer.startup)
+    sys.stdout.flush()  # what preload printed stays out of the run's log
+    sys.stderr.flush()
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -66,4 +67,4 @@ def spare_main(go: Path, config: str, overrides: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(spare_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3:]))
+    sys.exit(spare_main(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]))

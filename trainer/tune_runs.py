@@ -162,9 +162,9 @@ class Runner:
         if proc is None:
             with open(log, "w") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        if self.world.size == 1 and self.spares:
-            self._start_spare(env)  # its imports overlap this candidate's run
         try:
+            if self.world.size == 1 and self.spares:
+                self._start_spare(env)  # its imports overlap this candidate's run
             timeout = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -175,10 +175,14 @@ class Runner:
                 os.killpg(proc.pid, 9)
                 proc.wait()
             return "budget"
+        except BaseException:  # interrupted: the candidate (in a session of its own) goes with the tune process
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise
 
     def _start_spare(self, env: dict) -> None:
         go = self.work / "runs" / f".spare-{os.getpid()}-{time.monotonic_ns()}.json"
-        cmd = [sys.executable, "-m", "trainer.spare", str(go), self.config, *self.overrides]
+        cmd = [sys.executable, "-m", "trainer.spare", str(os.getpid()), str(go), self.config, *self.overrides]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env=env, start_new_session=True)  # fmt: skip
         self._spare = (proc, go)
@@ -223,4 +227,3 @@ def plan_facts(work: Path) -> dict:
     """plan.json of the latest candidate run that wrote one: the device's memory and capability."""
     plans = sorted((work / "runs").glob("*/plan.json"), key=lambda p: p.stat().st_mtime)
     return json.loads(plans[-1].read_text()) if plans else {}
-

@@ -224,13 +224,16 @@ def apply_compile(
     backend=None,
     hooks_outside: bool = False,
     kernels: Iterable[str] = (),
+    no_mask: bool = False,
 ) -> nn.Module:
     """Compile ``model`` as ``cfg`` (the ``compile`` config section: its capture options) says; returns the module to
     call.
 
     ``kernels``: the names of trainer's kernels to substitute into each graph (``compile.kernels`` as the plan
-    resolved it: :attr:`trainer.plan.Plan.kernels`; none by default). ``hooks_outside`` (``scope: blocks`` only)
-    compiles each block's ``forward`` instead of its ``__call__``, so module hooks (FSDP's) run outside the graph.
+    resolved it: :attr:`trainer.plan.Plan.kernels`; none by default). ``no_mask``: the blocks must get no attention
+    mask made between them (a graphed step's; a ``ValueError`` naming ``compile.scope`` where they would).
+    ``hooks_outside`` (``scope: blocks`` only) compiles each block's ``forward`` instead of its ``__call__``, so
+    module hooks (FSDP's) run outside the graph.
     ``backend``, a Dynamo backend callable, replaces ``cfg.backend``/``cfg.mode`` and ``kernels`` (the distributed
     layer passes its graph splitter, which applies them to each piece).
 
@@ -239,6 +242,8 @@ def apply_compile(
     with ``compile.loss``, its ``head_loss(x, targets)`` method compiled as one more graph. ``say`` gets the line
     for an option that cannot take effect (default: :func:`trainer.console.info`).
     """
+    if cfg.scope not in ("model", "blocks"):
+        raise ValueError(f"apply_compile: compile.scope as resolved (model or blocks), got {cfg.scope!r}")
     say = say or console.info
     kwargs = compile_kwargs(cfg.backend, cfg.mode, cfg.fullgraph, cfg.dynamic, dict(cfg.inductor_options), kernels)
     if backend is not None:
@@ -251,7 +256,13 @@ def apply_compile(
     from trainer.models.blocks import find_blocks
     from trainer.models.hf import causal_sdpa_without_mask
 
-    causal_sdpa_without_mask(model)  # else transformers makes its mask between the blocks, with a host sync
+    made = not causal_sdpa_without_mask(model)  # else transformers makes its mask between the blocks, a host sync
+    if made and no_mask:  # the plan read the model's config as making none; the model built says otherwise
+        raise ValueError(
+            "compile.scope: this model.hf model makes its attention mask between the compiled blocks (its attention "
+            "is not transformers' causal SDPA on whole sequences), which the graphed step cannot capture; set "
+            "compile.scope=model or compile.cudagraphs=false"
+        )
     _, blocks = find_blocks(model, cfg.blocks)
     for block in blocks:
         if hooks_outside:
