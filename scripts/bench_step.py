@@ -26,7 +26,7 @@ Several models share one JSON (``--out``). MFU counts attention (6N + 12·L·C·
 Timing: the baselines' timed steps run back to back with one wait at the end (the GPU's step time, no
 host sync between steps); ``torch.compile-synced`` times each step to a ``torch.cuda.synchronize()`` as
 nanoGPT's loop does, which leaves the GPU idle while the next step launches. Ours reports the Trainer's
-median step interval, its loss read one step late (also the GPU's step time).
+median step time, on the GPU between the events recorded after each step (its loss read one step late).
 """
 
 from __future__ import annotations
