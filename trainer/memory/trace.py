@@ -321,21 +321,28 @@ def _alias_source(n: fx.Node) -> fx.Node | None:
     return None
 
 
-def _live(gm: fx.GraphModule, scaling: set[str], live_inputs: set[str], keep_outputs: bool) -> list[tuple[int, int]]:
-    """Live bytes ``(scaling, fixed)`` after each op of ``gm`` (the points that can be the peak): the placeholders
-    named in ``live_inputs`` live from the start, each op's result from when it is made; each freed after its
-    storage's last reader (one that nothing reads, at once), unless the graph returns it and ``keep_outputs``."""
+def _storages(gm: fx.GraphModule) -> tuple[list[fx.Node], dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+    """``gm``'s nodes in order; the storage each view or in-place result shares (its source's, followed to the end);
+    and the index of each storage's last reader, the output aside."""
     nodes = list(gm.graph.nodes)
     base: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         src = _alias_source(n) if n.op == "call_function" else None
         if src is not None:
             base[n] = base.get(src, src)
-    outputs = {base.get(a, a) for a in gm.graph.output_node().all_input_nodes}
-    last: dict[fx.Node, int] = {}  # the last reader of each storage, the output aside
+    last: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes if n.op != "output" else ():
             last[base.get(a, a)] = i
+    return nodes, base, last
+
+
+def _live(gm: fx.GraphModule, scaling: set[str], live_inputs: set[str], keep_outputs: bool) -> list[tuple[int, int]]:
+    """Live bytes ``(scaling, fixed)`` after each op of ``gm`` (the points that can be the peak): the placeholders
+    named in ``live_inputs`` live from the start, each op's result from when it is made; each freed after its
+    storage's last reader (one that nothing reads, at once), unless the graph returns it and ``keep_outputs``."""
+    nodes, base, last = _storages(gm)
+    outputs = {base.get(a, a) for a in gm.graph.output_node().all_input_nodes}
     live, size = [0, 0], {}
 
     def add(n: fx.Node) -> None:
@@ -367,12 +374,7 @@ def _backward(
     from when it is made, freed after its storage's last reader, as :func:`_live` counts them; the graph's outputs
     (the gradients, ``owners[i]`` the block of the ``i``-th, or None) apart: ``gradients`` the bytes made so far,
     ``blocks`` how many blocks have every gradient made."""
-    nodes = list(gm.graph.nodes)
-    base: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        src = _alias_source(n) if n.op == "call_function" else None
-        if src is not None:
-            base[n] = base.get(src, src)
+    nodes, base, last = _storages(gm)
     pending: dict[int, set[fx.Node]] = {}  # per block, the storages of its gradients not made yet
     outputs: set[fx.Node] = set()
     for owner, a in zip(owners, gm.graph.output_node().args[0]):
@@ -380,10 +382,6 @@ def _backward(
             outputs.add(base.get(a, a))
             if owner is not None:
                 pending.setdefault(owner, set()).add(base.get(a, a))
-    last: dict[fx.Node, int] = {}  # the last reader of each storage, the output aside
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes if n.op != "output" else ():
-            last[base.get(a, a)] = i
     live, size, grads = [0, 0], {}, 0
 
     def make(n: fx.Node) -> None:
