@@ -397,18 +397,20 @@ def compile_scope(
     scope. The whole model otherwise: the built-in GPT measured 1.3% faster whole (GPT-2 124M), ddp splits the
     whole model's graph at its buckets, and a model of one's own (``model.target``) is not known to have blocks."""
     c, m = cfg.compile, cfg.model
-    masks = None
-    if m.hf is not None and (c.scope == "blocks" or (c.scope == "auto" and compiled and device.type == "cuda"
-                                                     and not strategy.ddp and not strategy.fsdp)):  # fmt: skip
+
+    def masks() -> str | None:  # the model's config read where the answer is used
+        if m.hf is None:
+            return None
         from trainer.models.hf import load_hf_config, mask_between_blocks
 
-        masks = mask_between_blocks(load_hf_config(m.hf, dict(m.hf_overrides or {})), documents is not None)
+        return mask_between_blocks(load_hf_config(m.hf, dict(m.hf_overrides or {})), documents is not None)
+
     if compiled and strategy.fsdp:  # whatever the scope: a compiled root runs eagerly under FSDP
         said = {"auto": "compile.scope=auto: each block", "model": "compile.scope=model: each block, as blocks"}
         why = said.get(c.scope, "") and f"{said[c.scope]} (fsdp compiles the blocks, its hooks outside them)"
         return "blocks", why or None, None
     if c.scope != "auto":
-        return c.scope, None, masks
+        return c.scope, None, masks() if c.scope == "blocks" else None
     if not compiled:
         return "model", None, None
     if m.hf is None or device.type != "cuda" or strategy.ddp:
@@ -419,8 +421,8 @@ def compile_scope(
             else f"each block is measured on CUDA only, not on {device.type}"
         )  # fmt: skip
         return "model", f"compile.scope=auto: the whole model ({why})", None
-    if masks is not None:
-        return "model", f"compile.scope=auto: the whole model ({masks}, between compiled blocks)", None
+    if (why := masks()) is not None:
+        return "model", f"compile.scope=auto: the whole model ({why}, between compiled blocks)", None
     return "blocks", "compile.scope=auto: each block once (no attention mask made between them)", None
 
 
