@@ -117,6 +117,25 @@ def run_grid(config: str, overrides: list[str], precisions: list[str], grid: lis
     return points
 
 
+def seconds_of(run_dir: Path) -> dict | None:
+    """Where a candidate's run spent its time: its start's phases (``startup_s``), the first step (compile included),
+    the steps after it, and the compile by phase (``compile_report.json``); None where the run logged no row."""
+    from trainer.plot import read_metrics
+
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    first = next((r for r in rows if r.get("first_step_s") is not None), None)
+    if first is None:
+        return None
+    later, prev = 0.0, first["step"]
+    for r in rows:
+        if r["step"] > prev and r.get("step_time"):
+            later, prev = later + r["step_time"] * (r["step"] - prev), r["step"]
+    report = run_dir / "compile_report.json"
+    compiled = json.loads(report.read_text()).get("compile_time_s") if report.is_file() else None
+    return {"startup_s": first.get("startup_s"), "first_step_s": round(first["first_step_s"], 2),
+            "later_steps_s": round(later, 2), "compile_time_s": compiled}  # fmt: skip
+
+
 def table(points: list[dict]) -> str:
     lines = ["| precision | checkpointing | micro-batch | tok/s | peak GB | status | seconds |", "|" + "---|" * 7]
     top = best(points)
@@ -153,11 +172,14 @@ def main() -> None:
     from trainer.tune_runs import plan_facts
 
     facts = plan_facts(root / "grid") or plan_facts(root / "tune.tune")
+    spent = {str(d.relative_to(root)): seconds_of(d) for d in sorted(root.glob("*/runs/*")) if d.is_dir()}
+    for name, where in spent.items():
+        print(f"{name}: {where}")
     result = {
         "config": args.config, "overrides": args.overrides, "budget_s": args.budget_s, "git_sha": git_sha(),
         "device": facts.get("train.device"), "device_memory_gb": facts.get("device.memory_gb"),
         "tune": {**tuned, "wall_s": round(tune_wall, 1)}, "grid": points, "grid_best": top,
-        "tune_over_grid_best": ratio, "wall_s": round(time.monotonic() - started, 1),
+        "tune_over_grid_best": ratio, "seconds_of_runs": spent, "wall_s": round(time.monotonic() - started, 1),
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -4,7 +4,9 @@ under torchrun (:class:`World`), and a candidate's ``trainer fit`` in child proc
 On one node of one process, each candidate after the first runs in a *spare*: a process started while the previous
 candidate ran, which has imported torch, transformers (the model's own module), Dynamo, Inductor and trainer, and
 waits with no CUDA context (so it holds no device memory) for the arguments of the next candidate
-(:mod:`trainer.spare`). Its run is the run a new process would make; only the imports were done ahead.
+(:mod:`trainer.spare`). Its run is the run a new process would make; only the imports were done ahead. There, a
+candidate ends once its last row is written: what its process would do after (the run's summary, the compile
+report, the interpreter's and the device's teardown) measures nothing and would only delay the next.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from trainer.memory import GB, Point
 from trainer.plot import read_metrics
 
 STEPS, LOG_EVERY = 6, 2  # a candidate's run: rows at 2 (compile), 4 (the graph's capture at the 4th step), 6 (steady)
+POLL_S = 0.1  # how often a candidate's rows are looked at
 CHILD_ENV_DROP = (
     "RANK",
     "LOCAL_RANK",
@@ -115,7 +118,7 @@ class Runner:
             if self.world.rank == 0:
                 shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.parent.mkdir(parents=True, exist_ok=True)
-            code = self._launch(args, port, run_dir.with_suffix(f".{self.world.node_rank}.log"))
+            code = self._launch(args, port, run_dir.with_suffix(f".{self.world.node_rank}.log"), run_dir)
         codes = self._gather(code)
         seconds = time.monotonic() - started
         point = Point(mode, micro_batch, None, overrides=overrides)
@@ -138,8 +141,9 @@ class Runner:
         point.seconds, point.predicted = round(seconds, 1), predicted
         return point
 
-    def _launch(self, args: list[str], port: int, log: Path) -> int | str:
-        """This node's part of a candidate: its exit code, or "budget" once stopped at the deadline."""
+    def _launch(self, args: list[str], port: int, log: Path, run_dir: Path) -> int | str:
+        """This node's part of a candidate: its exit code, or "budget" once stopped at the deadline; in one process,
+        0 once its last row is in ``run_dir``'s metrics (the process then ended)."""
         env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP and not k.startswith("TORCHELASTIC")}
         if self.world.size > 1:
             nnodes = self.world.size // self.world.local_size
@@ -165,6 +169,8 @@ class Runner:
         try:
             if self.world.size == 1 and self.spares:
                 self._start_spare(env)  # its imports overlap this candidate's run
+            if self.world.size == 1:
+                return self._wait_for_rows(proc, run_dir)
             timeout = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -179,6 +185,20 @@ class Runner:
             os.killpg(proc.pid, 9)
             proc.wait()
             raise
+
+    def _wait_for_rows(self, proc: subprocess.Popen, run_dir: Path) -> int:
+        """``proc``'s exit code, or 0 once the run's last row (step :attr:`steps`) is written: the process (in a
+        session of its own) is then killed. Raises TimeoutExpired at the deadline."""
+        while True:
+            try:
+                return proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise
+            if _last_step(run_dir) >= self.steps:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                return 0
 
     def _start_spare(self, env: dict) -> None:
         go = self.work / "runs" / f".spare-{os.getpid()}-{time.monotonic_ns()}.json"
@@ -215,6 +235,21 @@ class Runner:
         codes = [None] * self.world.size
         dist.all_gather_object(codes, code)
         return [c for c in codes if c is not None]
+
+
+def _last_step(run_dir: Path) -> int:
+    """The step of the last whole row of ``run_dir``'s metrics.jsonl, 0 before there is one."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        if line.endswith(b"\n"):
+            try:
+                return int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError):
+                return 0
+    return 0
 
 
 def _free_port() -> int:
