@@ -45,7 +45,8 @@ MODELS = {
     ],
     "tiny": ["configs/tiny.yaml"],
 }
-EVERY = {"gpt2-small": 100, "llama-1b": 300, "tiny": 4}  # steps between saves: ~3 s and ~30 s on an H200
+# steps between saves: ~3 s and ~16 s on an H200, so that a background write (1B: about 12.6 s) ends before the next
+EVERY = {"gpt2-small": 100, "llama-1b": 150, "tiny": 4}
 
 
 def analyse(rows: list[dict], every: int) -> dict:

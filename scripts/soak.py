@@ -18,7 +18,8 @@ Read from the rows (``log.every`` steps apart): ``step_time``, ``mem_allocated_g
 - allocated memory: flat (the same two windows within 1%);
 - reserved memory (less than 2%) and host RSS (less than 1%): growth within each start of the job, a process of its
   own, once it is steady: after its first evaluation (which compiles the evaluation's graphs and takes their
-  memory once), from the first quarter of the rows after it to the last quarter;
+  memory once) and its first checkpoint (a background save allocates the pinned host copy of the state then), from
+  the first quarter of the rows after both to the last quarter;
 - compile cache: no bigger at the end than when the rank was killed (the restart compiled nothing new);
 - the job: exit 0, one restart, resumed from a checkpoint, metrics steps increasing with none repeated.
 
@@ -202,13 +203,16 @@ def _change(first: float | None, last: float | None, limit: float, growth_only: 
     return {"first": first, "last": last, "change_pct": pct, "limit_pct": limit, "ok": ok}
 
 
-def _steady(rows: list[dict], kill_t: float, eval_every: int) -> list[list[dict]]:
-    """Each start's rows once it is steady: those after its first evaluation (all of them without one)."""
+def _steady(rows: list[dict], kill_t: float, eval_every: int, checkpoint_every: int = 0) -> list[list[dict]]:
+    """Each start's rows once it is steady: those after its first evaluation (which compiles the evaluation's
+    graphs) and its first checkpoint (whose background save allocates the pinned host copy of the state, kept for
+    the saves after it); all of them without either."""
     spans = []
     for inside in (lambda t: t < kill_t, lambda t: t >= kill_t):  # each start of the job: its own process
         span = [r for r in rows if r["t"] is not None and inside(r["t"])]
-        first_eval = -(-span[0]["step"] // eval_every) * eval_every if span and eval_every else None
-        after = [r for r in span if first_eval is not None and r["step"] > first_eval]
+        firsts = [-(-span[0]["step"] // every) * every for every in (eval_every, checkpoint_every) if span and every]
+        firsts = [f for f in firsts if f < span[-1]["step"]]  # those that came in this start
+        after = [r for r in span if firsts and r["step"] > max(firsts)]
         spans.append(after or span)
     return spans
 
@@ -233,7 +237,8 @@ def analyse(a, run: dict) -> dict:
     }  # fmt: skip
     kill_t = run["kill"]["t"] if run["kill"] else total
     for name, key in (("mem_reserved", "mem_reserved_gb"), ("host_rss", "host_rss_gb")):
-        per_start = [_growth(span, key, LIMITS[name]) for span in _steady(rows, kill_t, getattr(a, "eval_every", 0))]
+        spans = _steady(rows, kill_t, getattr(a, "eval_every", 0), getattr(a, "checkpoint_every", 0))
+        per_start = [_growth(span, key, LIMITS[name]) for span in spans]
         per_start = [c for c in per_start if c is not None]
         checks[name] = {"starts": per_start, "ok": all(c["ok"] for c in per_start) if per_start else None}
     before = [s for s in run["samples"] if s["t"] <= kill_t]

@@ -245,6 +245,24 @@ def test_soak_checks_each_series_for_drift():
     assert analyse(tiny, leak)["checks"]["step_time"]["ok"] is False
 
 
+def test_soak_reads_host_memory_after_each_starts_first_checkpoint():
+    """A background save allocates the pinned host copy of the state at a start's first checkpoint and keeps it: the
+    resident memory that jumps there (steps 40 and 80 here, after the evaluations at 25 and 75) is steady after
+    it, and fails the check only where the soak does not know when the checkpoints came."""
+    import argparse
+
+    from scripts.soak import analyse
+
+    run = _soak_run()
+    for r in run["rows"]:
+        first_save = 40 if r["t"] < 150 else 80
+        r["host_rss_gb"] += 12.0 if r["step"] > first_save else 0.0
+    a = argparse.Namespace(minutes=5.0, eval_every=25, checkpoint_every=40, tiny=False)
+    assert analyse(a, run)["checks"]["host_rss"]["ok"], analyse(a, run)["checks"]["host_rss"]
+    unknown = argparse.Namespace(**{**vars(a), "checkpoint_every": 0})
+    assert analyse(unknown, run)["checks"]["host_rss"]["ok"] is False
+
+
 def test_soak_refuses_bad_arguments(capsys):
     from scripts.soak import _args
 
