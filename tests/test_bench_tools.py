@@ -1,5 +1,6 @@
 """The benchmark scripts' job scheduling and variant parsing (scripts/bench_ddp.py, scripts/_variants.py)."""
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -404,3 +405,18 @@ def test_bench_tune_reads_tunes_table_and_seconds_and_finds_the_grids_best():
     grid = [{"tokens_per_s": 60e3, "status": "ok"}, {"tokens_per_s": 70e3, "status": "out of memory"},
             {"tokens_per_s": 64e3, "status": "ok"}]  # fmt: skip
     assert bench_tune.best(grid) is grid[2]
+
+
+def test_bench_tune_says_where_a_runs_seconds_went(tmp_path):
+    """A candidate's start phases and first step from its first row; the steps after it from the rows' step times
+    (each over the steps since the row before); the compile by phase from compile_report.json; None with no row."""
+    from scripts import bench_tune
+
+    rows = [{"step": 2, "step_time": 1.5, "first_step_s": 20.0, "startup_s": {"imports": 0.1, "build": 0.6}},
+            {"step": 4, "step_time": 2.0}, {"step": 6, "step_time": 1.9}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "compile_report.json").write_text(json.dumps({"compile_time_s": {"dynamo": 1.0, "total": 15.0}}))
+    got = bench_tune.seconds_of(tmp_path)
+    assert got == {"startup_s": {"imports": 0.1, "build": 0.6}, "first_step_s": 20.0, "later_steps_s": 7.8,
+                   "compile_time_s": {"dynamo": 1.0, "total": 15.0}}  # fmt: skip
+    assert bench_tune.seconds_of(tmp_path / "none") is None
