@@ -93,14 +93,16 @@ def mesh_report(doc: dict) -> str:
 
 def say_startup(plan: plan_rules.Plan, model: nn.Module, corpus, tokens_per_step: int, opt, threads: str | None):
     """Say what the run trains and how (:func:`describe_run`, :func:`describe_path`), how a resume kept or changed
-    the global batch, and a warm-up longer than the run (rank 0)."""
-    from trainer import console
+    the global batch, a warm-up longer than the run, and imports compiled from source at every start (rank 0)."""
+    from trainer import console, startup
 
     console.info(describe_run(plan, model, corpus, tokens_per_step, threads=threads))
     console.info(describe_path(plan, opt))
     plan.batch.say()
     if warmup := warmup_note(plan.cfg):
         console.warn(warmup)
+    if uncached := startup.uncached_imports():
+        console.warn(startup.bytecode_note(uncached))
 
 
 def warmup_note(cfg: Config) -> str | None:

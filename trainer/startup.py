@@ -51,3 +51,38 @@ def phases() -> dict[str, float] | None:
         out[phase] = round(at - before, 3)
         before = at
     return out
+
+
+def uncached_imports(names: tuple[str, ...] = ("torch", "transformers")) -> list[str]:
+    """The packages among ``names`` (those imported) whose code Python compiled from source at this start and kept
+    no bytecode of: ``PYTHONDONTWRITEBYTECODE`` set, or the install (or ``PYTHONPYCACHEPREFIX``) not writable. Every
+    start of a process, each restart's too, then compiles them again: seconds that bytecode written once saves."""
+    import importlib.util
+    import sys
+
+    out = []
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if not file or not file.endswith(".py"):  # not imported, or imported from bytecode alone
+            continue
+        try:
+            cached = importlib.util.cache_from_source(file)  # under sys.pycache_prefix where one is set
+        except NotImplementedError:  # an interpreter that writes no bytecode at all
+            continue
+        if not os.path.exists(cached):
+            out.append(name)
+    return out
+
+
+def bytecode_note(names: list[str]) -> str:
+    """What to do about :func:`uncached_imports`' ``names``."""
+    import sys
+
+    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "their directory is not writable"
+    return (
+        f"Python compiled {', '.join(names)} from source at this start and kept no bytecode ({why}): every start, "
+        "each restart's too, compiles them again. Write it once: `python -m compileall -q` on their install, or "
+        "PYTHONPYCACHEPREFIX set to a writable directory"
+        + (" and PYTHONDONTWRITEBYTECODE unset" if sys.dont_write_bytecode else "")
+        + " (docs/troubleshooting.md)"
+    )
