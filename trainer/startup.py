@@ -78,11 +78,12 @@ def bytecode_note(names: list[str]) -> str:
     """What to do about :func:`uncached_imports`' ``names``."""
     import sys
 
-    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "their directory is not writable"
+    them, their = ("it", "its") if len(names) == 1 else ("them", "their")
+    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else f"{their} directory is not writable"
     return (
-        f"Python compiled {', '.join(names)} from source at this start and kept no bytecode ({why}): every start, "
-        "each restart's too, compiles them again. Write it once: `python -m compileall -q` on their install, or "
-        "PYTHONPYCACHEPREFIX set to a writable directory"
+        f"Python compiled {' and '.join(names)} from source at this start and kept no bytecode ({why}): every "
+        f"start, each restart's too, compiles {them} again. Write it once: `python -m compileall -q` on {their} "
+        "install, or PYTHONPYCACHEPREFIX set to a writable directory"
         + (" and PYTHONDONTWRITEBYTECODE unset" if sys.dont_write_bytecode else "")
         + " (docs/troubleshooting.md)"
     )
