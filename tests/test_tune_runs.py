@@ -48,17 +48,29 @@ def _child(tmp_path, rows: list[int], then: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 
 
-def test_a_candidate_ends_once_its_last_row_is_written(tmp_path):
-    """What a candidate's process does after its last row measures nothing: the runner ends it there (a process
-    that would sleep a minute after the row returns at once, 0), and still returns the code of one that exits
-    first, failing or not."""
+def test_a_candidate_ends_once_its_last_row_and_compile_report_are_written(tmp_path, monkeypatch):
+    """What a candidate's process does after its last row and compile report measures nothing: the runner ends it
+    there (a process that would sleep a minute after them returns at once, 0); with no report (an eager run), once
+    the grace for one is over; one that exits first keeps its code, whether before its last row or after it."""
+    from trainer import tune_runs
+
     runner = Runner("tiny", [], tmp_path)
+    report = f"open({str(tmp_path / 'compile_report.json')!r}, 'w').write('{{}}')"
+    monkeypatch.setattr(tune_runs, "REPORT_GRACE_S", 600.0)  # only the report can end it in time
     started = time.monotonic()
-    proc = _child(tmp_path, [2, 4, runner.steps], "time.sleep(60)")
+    proc = _child(tmp_path, [2, 4, runner.steps], f"{report}\ntime.sleep(60)")
     assert runner._wait_for_rows(proc, tmp_path) == 0
     assert time.monotonic() - started < 30 and proc.poll() == -signal.SIGKILL
+    for f in ("metrics.jsonl", "compile_report.json"):
+        (tmp_path / f).unlink()
+    monkeypatch.setattr(tune_runs, "REPORT_GRACE_S", 0.5)
+    started = time.monotonic()
+    assert runner._wait_for_rows(_child(tmp_path, [2, 4, runner.steps], "time.sleep(60)"), tmp_path) == 0
+    assert time.monotonic() - started < 30
     (tmp_path / "metrics.jsonl").unlink()
     assert runner._wait_for_rows(_child(tmp_path, [2, 4], "sys.exit(3)"), tmp_path) == 3
+    (tmp_path / "metrics.jsonl").unlink()
+    assert runner._wait_for_rows(_child(tmp_path, [2, 4, runner.steps], "sys.exit(3)"), tmp_path) == 3
     (tmp_path / "metrics.jsonl").write_text('{"step": 2}\n{"step": ' + str(runner.steps))  # a torn last row
     assert _last_step(tmp_path) == 2
 

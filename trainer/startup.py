@@ -79,7 +79,7 @@ def bytecode_note(names: list[str]) -> str:
     import sys
 
     them, their = ("it", "its") if len(names) == 1 else ("them", "their")
-    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else f"{their} directory is not writable"
+    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "where Python writes it is not writable"
     return (
         f"Python compiled {' and '.join(names)} from source at this start and kept no bytecode ({why}): every "
         f"start, each restart's too, compiles {them} again. Write it once: `python -m compileall -q` on {their} "

@@ -5,8 +5,8 @@ On one node of one process, each candidate after the first runs in a *spare*: a 
 candidate ran, which has imported torch, transformers (the model's own module), Dynamo, Inductor and trainer, and
 waits with no CUDA context (so it holds no device memory) for the arguments of the next candidate
 (:mod:`trainer.spare`). Its run is the run a new process would make; only the imports were done ahead. There, a
-candidate ends once its last row is written: what its process would do after (the run's summary, the compile
-report, the interpreter's and the device's teardown) measures nothing and would only delay the next.
+candidate ends once its last row and its compile report are written: what its process would do after (the run's
+summary, the interpreter's and the device's teardown) measures nothing and would only delay the next.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from trainer.plot import read_metrics
 
 STEPS, LOG_EVERY = 6, 2  # a candidate's run: rows at 2 (compile), 4 (the graph's capture at the 4th step), 6 (steady)
 POLL_S = 0.1  # how often a candidate's rows are looked at
+REPORT_GRACE_S = 2.0  # how long after its last row a candidate may take to write its compile report
 CHILD_ENV_DROP = (
     "RANK",
     "LOCAL_RANK",
@@ -187,18 +189,24 @@ class Runner:
             raise
 
     def _wait_for_rows(self, proc: subprocess.Popen, run_dir: Path) -> int:
-        """``proc``'s exit code, or 0 once the run's last row (step :attr:`steps`) is written: the process (in a
-        session of its own) is then killed. Raises TimeoutExpired at the deadline."""
+        """``proc``'s exit code, or 0 once the run's last row (step :attr:`steps`) and its compile report are
+        written (the report: for :data:`REPORT_GRACE_S` at most, none is written without a compile): the process,
+        in a session of its own, is then killed. Raises TimeoutExpired at the deadline."""
+        last_row_at = None
         while True:
             try:
                 return proc.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:
-                if self.deadline is not None and time.monotonic() > self.deadline:
-                    raise
-            if _last_step(run_dir) >= self.steps:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                return 0
+                pass
+            if last_row_at is None and _last_step(run_dir) >= self.steps:
+                last_row_at = time.monotonic()
+            if last_row_at is not None and ((run_dir / "compile_report.json").is_file()
+                                            or time.monotonic() - last_row_at > REPORT_GRACE_S):  # fmt: skip
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()  # its own code where it ended between the poll and the kill
+                return 0 if code == -signal.SIGKILL else code
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise subprocess.TimeoutExpired(proc.args, POLL_S)
 
     def _start_spare(self, env: dict) -> None:
         go = self.work / "runs" / f".spare-{os.getpid()}-{time.monotonic_ns()}.json"
