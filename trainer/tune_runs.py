@@ -145,7 +145,7 @@ class Runner:
 
     def _launch(self, args: list[str], port: int, log: Path, run_dir: Path) -> int | str:
         """This node's part of a candidate: its exit code, or "budget" once stopped at the deadline; in one process,
-        0 once its last row is in ``run_dir``'s metrics (the process then ended)."""
+        0 once its last row and compile report are in ``run_dir`` (:meth:`_wait_for_rows`)."""
         env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP and not k.startswith("TORCHELASTIC")}
         if self.world.size > 1:
             nnodes = self.world.size // self.world.local_size
@@ -247,17 +247,8 @@ class Runner:
 
 def _last_step(run_dir: Path) -> int:
     """The step of the last whole row of ``run_dir``'s metrics.jsonl, 0 before there is one."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        if line.endswith(b"\n"):
-            try:
-                return int(json.loads(line).get("step", 0))
-            except (ValueError, AttributeError):
-                return 0
-    return 0
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []  # a torn last row is skipped
+    return int(rows[-1].get("step", 0)) if rows else 0
 
 
 def _free_port() -> int:
