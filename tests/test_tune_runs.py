@@ -27,6 +27,8 @@ def test_a_candidate_in_a_spare_trains_as_one_in_a_new_process(tmp_path):
     assert first.status == "ok", first.status
     spare, _ = runner._spare
     assert spare.poll() is None  # waiting, imports done or under way
+    environ = dict(v.split("=", 1) for v in open(f"/proc/{spare.pid}/environ").read().split("\0") if "=" in v)
+    assert environ["TRITON_CACHE_DIR"] == str((tmp_path / "compile_cache" / "triton").resolve())  # its workers'
     losses = _losses(tmp_path / "runs" / "2")
     second = runner.run("none", 2, candidate)
     assert second.status == "ok", second.status

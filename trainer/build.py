@@ -239,6 +239,23 @@ def _eval_context(raw_model: nn.Module, plan: plan_rules.Plan):
     return context
 
 
+def compile_caches(plan: plan_rules.Plan, run_dir) -> bool:
+    """Point the compile caches at ``compile.cache_dir`` (default ``<run_dir>/compile_cache``) where anything is
+    compiled, and start Triton's compile workers where Inductor compiles for CUDA (while the model is built: see
+    :func:`trainer.compile.cache.start_workers`). Returns whether anything is compiled."""
+    from pathlib import Path
+
+    from trainer.compile import cache
+
+    cfg = plan.cfg
+    if not (plan.compiled or cfg.compile.autograd):
+        return False
+    cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else Path(run_dir) / "compile_cache")
+    if plan.compiled and plan.device.type == "cuda" and cfg.compile.backend == "inductor":
+        cache.start_workers()
+    return True
+
+
 def compile_watcher(plan: plan_rules.Plan, model: nn.Module | None = None):
     """A :class:`trainer.compile.report.CompileWatcher` (graphs, breaks, recompiles, compile time) that warns on a
     recompile after warm-up, when anything is compiled; else None. Under ``train.precision=fp8`` its report lists

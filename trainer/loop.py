@@ -17,7 +17,6 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainer import build, console, describe, memory, plan
 from trainer.checkpoint import DCP, TORCH_SAVE, Checkpointer, ReadAhead, rundir
 from trainer.checkpoint.states import CompileCache, run_states
-from trainer.compile import cache
 from trainer.config import Config, to_dict
 from trainer.data import load_corpus
 from trainer.distributed import env as dist_env
@@ -67,6 +66,7 @@ class Trainer:
         resolved = plan.resolve(self.cfg, env, plan.SavedBatch.read(start.resume)).with_device_mesh()
         cfg, run_dir, record = resolved.cfg, Path(resolved.cfg.run.dir), to_dict(resolved.run_config())  # config.yaml's
         threads = build.set_up_process(cfg, env.device)  # the seeds, torch's threads
+        compiling = build.compile_caches(resolved, run_dir)  # and Triton's compile workers started
         # The data, the model (checked against the data) and its layout, the optimizer; a resume's state.
         corpus = load_corpus(cfg.data.path, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.seq_len,
                              dtype=cfg.data.dtype)  # fmt: skip
@@ -77,8 +77,6 @@ class Trainer:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             resolved.write(run_dir)  # config.yaml and plan.json
             memory.say_startup_note(self.cfg, raw_model, env.world_size, resolved.device_memory)  # none on CPU
-        if compiling := resolved.compiled or cfg.compile.autograd:
-            cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else run_dir / "compile_cache")
         if resolved.strategy.fsdp:
             build.shard(raw_model, resolved, env)
         opt = build.make_optimizer(raw_model, resolved)  # shard_optimizer: parameters moved into buckets

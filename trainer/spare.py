@@ -31,6 +31,12 @@ def preload(config: str, overrides: list[str]) -> None:
         from trainer.config import load_config
 
         cfg = load_config(config, overrides)
+        import torch
+
+        if cfg.compile.enabled is not False and cfg.compile.backend == "inductor" and torch.cuda.is_available():
+            from trainer.compile.cache import start_workers
+
+            start_workers()  # Triton's compile workers, ready when the candidate compiles (no CUDA context made)
         if cfg.model.hf is not None:
             from transformers import AutoModelForCausalLM
 

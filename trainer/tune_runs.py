@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer import console
+from trainer.compile.cache import cache_env
 from trainer.memory import GB, Point
 from trainer.plot import read_metrics
 
@@ -170,7 +171,9 @@ class Runner:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             if self.world.size == 1 and self.spares:
-                self._start_spare(env)  # its imports overlap this candidate's run
+                # Its imports and its compile workers' start overlap this candidate's run; the workers inherit the
+                # candidates' cache directories.
+                self._start_spare({**env, **cache_env(self.work / "compile_cache")})
             if self.world.size == 1:
                 return self._wait_for_rows(proc, run_dir)
             timeout = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())

@@ -19,11 +19,30 @@ from trainer.io import atomic_write
 ARTIFACTS = "compile_cache.bin"
 
 
+def cache_env(path: Path) -> dict[str, str]:
+    """The environment variables that point Inductor's and Triton's caches at ``path``."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(path.resolve()), "TRITON_CACHE_DIR": str((path / "triton").resolve())}
+
+
 def use_cache_dir(path: Path) -> None:
     """Point Inductor's and Triton's caches at ``path`` (call before the first compile)."""
     path.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.resolve())
-    os.environ["TRITON_CACHE_DIR"] = str((path / "triton").resolve())
+    os.environ.update(cache_env(path))
+
+
+def start_workers() -> bool:
+    """Start Inductor's Triton compile workers now (call after :func:`use_cache_dir`: they inherit its directories).
+
+    Inductor starts them at its first compile and compiles every kernel in the main process, one at a time, until
+    they are ready: each worker's parent imports torch first (seconds; over ten without bytecode), so a model's
+    first graphs are compiled serially. Started while the run builds its model, they are ready by then. Returns
+    False where this torch has no such pool (its internals moved), or it is turned off (``TORCH_WARM_POOL=0``)."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return False
+    maybe_warm_pool()
+    return True
 
 
 def save_artifacts(ckpt_root: Path) -> int:
