@@ -207,6 +207,10 @@ def _worker(a) -> None:
 
     with gpu_timeline(a.worker):  # BENCH_TRACE=dir: the GPU timeline, for scripts/trace_gaps.py
         out = run()
+    if os.environ.get("BENCH_COMPILE_TIMES"):  # torch's seconds per compile function, for where the first step goes
+        from torch._dynamo.utils import compile_times
+
+        print(compile_times(repr="str", aggregate=True), flush=True)
     print("RESULT " + json.dumps(out), flush=True)
 
 

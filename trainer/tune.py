@@ -1,7 +1,7 @@
 """``trainer tune``: the fastest settings, measured in short runs, the memory model pruning them.
 
-Each candidate is a short ``trainer fit`` in a child process (:class:`trainer.tune_runs.Runner`): 8 steps, the
-throughput of the last 4 (after the compile and the CUDA graph's capture), the peak memory of all of them. An
+Each candidate is a short ``trainer fit`` in a child process (:class:`trainer.tune_runs.Runner`): 6 steps, the
+throughput of the last 2 (after the compile and the CUDA graph's capture), the peak memory of all of them. An
 out-of-memory run is caught there and recorded. The runs share one compile cache in the work directory
 (``<run.dir>.tune``), which also keeps every measurement (``measured.json``) for the memory model
 (:mod:`trainer.memory`) of later commands.
