@@ -208,7 +208,6 @@ def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: i
     for each of the backward's outputs (the gradients of the forward's inputs, in their order) the index of the
     repeated block whose parameter it is the gradient of (None: not a block's)."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
     from torch._inductor.decomposition import select_decomp_table
@@ -252,11 +251,8 @@ def _capture(cfg: Config, vocab_size: int, mode: str, device_type: str, depth: i
     torch._dynamo.reset()
     step = torch.compile(LossOnly(model), backend=backend, dynamic=False)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(cfg.train.precision)
-    # trainer's Triton ops stay one node each, their fake implementations giving their outputs (traced through, a
-    # CPU trace would count their PyTorch fallback's temporaries).
-    opaque = functorch_config.patch(decompose_custom_triton_ops=False)
     try:
-        with opaque, torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
             step(tokens, tokens)
     except Exception as e:  # Dynamo wraps the backend's exception
         if not _captured(e):

@@ -41,9 +41,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import wrap_triton
 
-from trainer.ops.utils import autocast_dtype, interpreted, kernel_op, plan_programs, sum_parts, triton_can_run
+from trainer.ops.utils import autocast_dtype, interpreted, plan_programs, sum_parts, triton_can_run
 
 __all__ = ["add_layer_norm", "add_layer_norm_op", "layer_norm"]
 
@@ -208,7 +207,7 @@ def _forward_torch(x, inc, inc_bias, weight, bias, eps, out_dtype):
     return (s if inc is not None else x.new_empty(0)), y.to(out_dtype), mean, rstd
 
 
-@kernel_op("trainer::add_layer_norm", _add_ln_fwd_kernel)
+@torch.library.custom_op("trainer::add_layer_norm", mutates_args=())
 def _fwd_op(
     x: Tensor,
     inc: Tensor | None,
@@ -232,7 +231,7 @@ def _fwd_op(
     if n_rows:
         block_cols = triton.next_power_of_2(n_cols)
         block_rows = _block_rows(n_cols, "fwd")
-        wrap_triton(_add_ln_fwd_kernel)[(triton.cdiv(n_rows, block_rows),)](
+        _add_ln_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
             x,
             inc if inc is not None else x,
             inc_bias if inc_bias is not None else weight,
@@ -287,7 +286,7 @@ def _backward_torch(dy, ds, s, weight, mean, rstd, has_bias, inc_dtype, inc_bias
     return dx.to(s.dtype), dinc, dw, db, dib
 
 
-@kernel_op("trainer::add_layer_norm_backward", _add_ln_bwd_kernel)
+@torch.library.custom_op("trainer::add_layer_norm_backward", mutates_args=())
 def _bwd_op(
     dy: Tensor,
     ds: Tensor | None,
@@ -313,7 +312,7 @@ def _bwd_op(
     n_sums = 3 if inc_bias_dtype is not None else 2
     parts = (s.new_empty if n_rows else s.new_zeros)((n_sums, programs, n_cols), dtype=torch.float32)
     if n_rows:
-        wrap_triton(_add_ln_bwd_kernel)[(programs,)](
+        _add_ln_bwd_kernel[(programs,)](
             dy,
             ds if ds is not None else dy,
             s,

@@ -31,9 +31,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import wrap_triton
 
-from trainer.ops.utils import autocast_dtype, interpreted, kernel_op, plan_programs, sum_parts, triton_can_run
+from trainer.ops.utils import autocast_dtype, interpreted, plan_programs, sum_parts, triton_can_run
 
 __all__ = ["add_rms_norm", "rms_norm"]
 
@@ -162,7 +161,7 @@ def _forward_torch(x, inc, weight, eps, out_dtype):
     return (s if inc is not None else x.new_empty(0)), y.to(out_dtype), rstd
 
 
-@kernel_op("trainer::add_rms_norm", _add_rms_fwd_kernel)
+@torch.library.custom_op("trainer::add_rms_norm", mutates_args=())
 def _fwd_op(
     x: Tensor, inc: Tensor | None, weight: Tensor, eps: float, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -177,7 +176,7 @@ def _fwd_op(
     if n_rows:
         block_cols = triton.next_power_of_2(n_cols)
         block_rows = _block_rows(n_cols, "fwd")
-        wrap_triton(_add_rms_fwd_kernel)[(triton.cdiv(n_rows, block_rows),)](
+        _add_rms_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
             x,
             inc if inc is not None else x,
             weight,
@@ -215,7 +214,7 @@ def _backward_torch(dy, ds, s, weight, rstd, inc_dtype):
     return dx.to(s.dtype), dinc, (dyf * xhat).sum(0).to(weight.dtype)
 
 
-@kernel_op("trainer::add_rms_norm_backward", _add_rms_bwd_kernel)
+@torch.library.custom_op("trainer::add_rms_norm_backward", mutates_args=())
 def _bwd_op(
     dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor, rstd: Tensor, inc_dtype: torch.dtype | None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -231,7 +230,7 @@ def _bwd_op(
     programs, rows_per_program = plan_programs(n_rows, block_rows, PROGRAMS_PER_SM, s.device, _INTERPRETED)
     parts = (s.new_empty if n_rows else s.new_zeros)((programs, n_cols), dtype=torch.float32)
     if n_rows:
-        wrap_triton(_add_rms_bwd_kernel)[(programs,)](
+        _add_rms_bwd_kernel[(programs,)](
             dy,
             ds if ds is not None else dy,
             s,

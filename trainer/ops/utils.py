@@ -8,14 +8,12 @@ row of partial sums. One more launch (:func:`sum_parts`) adds those rows up per 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import wrap_triton
 
 
 def capturing() -> bool:
@@ -37,17 +35,6 @@ def triton_can_run(device: torch.device, kernel: Any) -> bool:
     """Whether ``kernel`` (a ``@triton.jit`` function) can run on tensors of ``device``: CUDA always can, CPU
     tensors only under the interpreter (:func:`interpreted`)."""
     return device.type == "cuda" or (device.type == "cpu" and interpreted(kernel))
-
-
-def kernel_op(name: str, kernel: Any) -> Callable:
-    """The decorator that makes a function of Triton kernels the ``torch.library`` operator ``name``
-    (``"trainer::..."``, no arguments mutated): a ``triton_op``, whose kernels Inductor sees (launched in the function
-    through ``wrap_triton``) and compiles with its own kernels, in its compile workers, and launches as it does its
-    own; or, where ``kernel`` runs in the Triton interpreter (CPU tests), an opaque ``custom_op``, since a graph
-    cannot be traced through an interpreted kernel. The fake implementation registered after it is the one used."""
-    if interpreted(kernel):
-        return torch.library.custom_op(name, mutates_args=())
-    return torch.library.triton_op(name, mutates_args=())
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:
@@ -140,9 +127,7 @@ def sum_parts(parts: Tensor, outs: list[Tensor]) -> None:
     outputs, each cast to its own dtype, in one launch."""
     n_sums, n_parts, n_cols = parts.shape
     assert n_sums == len(outs) and 1 <= n_sums <= 3
-    # Unused pointers, which no program writes, each a tensor of its own: a traced graph copies every tensor the
-    # kernel may write (wrap_triton's functional form), and one tensor given twice would come back twice.
-    padded = [*outs, *(outs[0].new_empty(1) for _ in range(3 - n_sums))]
-    wrap_triton(sum_parts_kernel)[(n_sums, triton.cdiv(n_cols, SUM_COLS))](
+    padded = [*outs, *outs[:1] * (3 - n_sums)]  # unused pointers: the programs of array k touch OUTk alone
+    sum_parts_kernel[(n_sums, triton.cdiv(n_cols, SUM_COLS))](
         parts, *padded, n_parts, n_cols, BLOCK_PARTS=SUM_PARTS, BLOCK_COLS=SUM_COLS
     )
