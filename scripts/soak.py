@@ -226,9 +226,21 @@ def _growth(span: list[dict], key: str, limit: float) -> dict | None:
     return _change(statistics.median(vals[:quarter]), statistics.median(vals[-quarter:]), limit, True)
 
 
+def _cache_end(rows: list[dict], kill_t: float) -> float | None:
+    """Until when the compile cache must not grow after the kill: the end (None); where the job's first evaluation
+    came after the kill, the row before it (an evaluation compiles graphs of its own, new to the cache, where a
+    restart that compiles again would add nothing)."""
+    evals = [r["t"] for r in rows if r.get("val_loss") is not None and r["t"] is not None]
+    if not evals or min(evals) <= kill_t:
+        return None
+    return max((r["t"] for r in rows if r["t"] is not None and r["t"] < min(evals)), default=None)
+
+
 def analyse(a, run: dict) -> dict:
     total, w = a.minutes * 60, a.minutes * 60 / 5
-    rows = [r for r in run["rows"] if r.get("first_step_s") is None]  # a start's first step is its compile
+    # A start's first step is its compile, and the row after it holds the CUDA graph's capture: neither is steady.
+    after_first = {i + 1 for i, r in enumerate(run["rows"]) if r.get("first_step_s") is not None}
+    rows = [r for i, r in enumerate(run["rows"]) if r.get("first_step_s") is None and i not in after_first]
     checks = {
         "step_time": _change(_median(rows, "step_time", w, 2 * w), _median(rows, "step_time", total - w, total),
                              TINY_STEP_TIME_LIMIT if a.tiny else LIMITS["step_time"]),
@@ -241,9 +253,10 @@ def analyse(a, run: dict) -> dict:
         per_start = [_growth(span, key, LIMITS[name]) for span in spans]
         per_start = [c for c in per_start if c is not None]
         checks[name] = {"starts": per_start, "ok": all(c["ok"] for c in per_start) if per_start else None}
-    before = [s for s in run["samples"] if s["t"] <= kill_t]
-    at_kill, at_end = (before[-1]["cache_bytes"] if before else 0), run["samples"][-1]["cache_bytes"]
-    checks["compile_cache"] = {"at_kill_bytes": at_kill, "at_end_bytes": at_end,
+    before, end_t = [s for s in run["samples"] if s["t"] <= kill_t], _cache_end(run["rows"], kill_t)
+    at_kill = before[-1]["cache_bytes"] if before else 0
+    at_end = [s for s in run["samples"] if end_t is None or s["t"] <= end_t][-1]["cache_bytes"]
+    checks["compile_cache"] = {"at_kill_bytes": at_kill, "at_end_bytes": at_end, "until_t": end_t,
                                "ok": None if not at_kill else at_end <= at_kill}  # fmt: skip
     steps = [r["step"] for r in run["rows"]]
     resumed = [s for s in run["starts"] if s.get("restart")]

@@ -246,6 +246,47 @@ def test_soak_checks_each_series_for_drift():
     assert analyse(tiny, leak)["checks"]["step_time"]["ok"] is False
 
 
+def test_soak_leaves_out_each_starts_compile_and_capture_rows():
+    """A start's first row (its compile) and the row after it (the CUDA graph's capture, 15% slower here) are not
+    steady: in the first window of a short soak they would read as a speed-up over the run."""
+    import argparse
+
+    from scripts.soak import analyse
+
+    a = argparse.Namespace(minutes=5.0, eval_every=25, tiny=False)
+    r = _soak_run()
+    r["rows"][29].update(first_step_s=30.0, step_time=30.0)  # the start's first row at 60 s, in the first window
+    r["rows"][30]["step_time"] = 0.115
+    assert analyse(a, r)["checks"]["step_time"]["ok"] is True
+    for row in r["rows"][31:59]:  # the rest of the first window slow too: counted
+        row["step_time"] = 0.115
+    assert analyse(a, r)["checks"]["step_time"]["ok"] is False
+
+
+def test_soak_counts_no_cache_growth_at_a_first_evaluation_after_the_kill():
+    """The job's first evaluation, after the restart (at 250 s here), compiles the evaluation's graphs: the cache
+    that grows there passes; grown at the same time after an evaluation before the kill (whose graphs the cache
+    holds), or before the evaluation, it fails."""
+    import argparse
+
+    from scripts.soak import analyse
+
+    a = argparse.Namespace(minutes=5.0, eval_every=25, tiny=False)
+
+    def run(eval_at: float, grows_at: float):
+        r = _soak_run()
+        for row in r["rows"]:
+            row["val_loss"] = 3.0 if row["t"] == eval_at else None
+        for sample in r["samples"]:
+            sample["cache_bytes"] += 2048 if sample["t"] >= grows_at else 0
+        return analyse(a, r)["checks"]["compile_cache"]
+
+    assert run(eval_at=250.0, grows_at=249.0)["ok"] is True  # the evaluation's compile, before its row
+    assert run(eval_at=250.0, grows_at=249.0)["until_t"] == 248.0
+    assert run(eval_at=100.0, grows_at=249.0)["ok"] is False
+    assert run(eval_at=250.0, grows_at=200.0)["ok"] is False
+
+
 def test_soak_reads_host_memory_after_each_starts_first_checkpoint():
     """A background save allocates the pinned host copy of the state at a start's first checkpoint and keeps it: the
     resident memory that jumps there (steps 40 and 80 here, after the evaluations at 25 and 75) is steady after
