@@ -105,10 +105,14 @@ def run_user(a, compile_model: bool, synced: bool = False, fp8: bool = False) ->
     batches = user_data(a.seq, a.batch, dev)
     step_fn = user_step(model, torch.compile(model) if compile_model else model, batches, dev)
     torch.cuda.reset_peak_memory_stats()
+    from trainer.compile.report import CompileWatcher
+
+    watcher = CompileWatcher().start()  # the compile's phases, as ours' compile report counts them
     t0 = time.perf_counter()
     loss = step_fn(0)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    watcher.stop()
     for step in range(1, a.warmup):
         loss = step_fn(step)
     torch.cuda.synchronize()
@@ -132,6 +136,7 @@ def run_user(a, compile_model: bool, synced: bool = False, fp8: bool = False) ->
         "first_step_s": first,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
         "final_loss": loss.item(),
+        "compile_time_s": watcher.report()["compile_time_s"] if compile_model else None,
     }
 
 
