@@ -180,10 +180,16 @@ def test_disk_full_on_one_rank_stops_both_cleanly(tmp_path, rank, device, backgr
 
 
 HUNG = """
-import sys, time, torch, torch.distributed as dist
+import os, pathlib, sys, time, torch, torch.distributed as dist
 from trainer.distributed import env as dist_env
 from trainer.errors import TrainingError
 
+# Both ranks done importing before the process group starts: its start waits distributed.timeout_s too (1 s), and
+# one rank's imports can take a second longer than the other's on busy cores.
+here = pathlib.Path(__file__).parent
+(here / f"ready{os.environ['RANK']}").touch()
+while not all((here / f"ready{r}").exists() for r in range(int(os.environ["WORLD_SIZE"]))):
+    time.sleep(0.01)
 env = dist_env.setup("cpu", "gloo", timeout_s=float(sys.argv[1]))
 if env.rank == 1:
     time.sleep(4)  # hung: alive, but not in the collective
