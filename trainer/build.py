@@ -251,7 +251,7 @@ def compile_caches(plan: plan_rules.Plan, run_dir) -> bool:
     if not (plan.compiled or cfg.compile.autograd):
         return False
     cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else Path(run_dir) / "compile_cache")
-    if plan.compiled and plan.device.type == "cuda" and cfg.compile.backend == "inductor":
+    if plan.compiled and cache.wants_workers(cfg.compile.backend, plan.device.type):
         cache.start_workers()
     return True
 

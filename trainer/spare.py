@@ -33,10 +33,11 @@ def preload(config: str, overrides: list[str]) -> None:
         cfg = load_config(config, overrides)
         import torch
 
-        if cfg.compile.enabled is not False and cfg.compile.backend == "inductor" and torch.cuda.is_available():
-            from trainer.compile.cache import start_workers
+        from trainer.compile.cache import start_workers, wants_workers
 
-            start_workers()  # Triton's compile workers, ready when the candidate compiles (no CUDA context made)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"  # asked without making a CUDA context
+        if cfg.compile.enabled is not False and wants_workers(cfg.compile.backend, device_type):
+            start_workers()  # Triton's compile workers, ready when the candidate compiles
         if cfg.model.hf is not None:
             from transformers import AutoModelForCausalLM
 

@@ -99,6 +99,11 @@ class Runner:
     spares: bool = False  # candidates after the first start in a process that imported ahead (one node, one process)
     _spare: tuple[subprocess.Popen, Path] | None = field(default=None, repr=False)
 
+    @property
+    def cache_dir(self) -> Path:
+        """The compile cache every candidate shares."""
+        return self.work / "compile_cache"
+
     def run(self, mode: str, micro_batch: int, overrides: list[str], predicted: float | None = None) -> Point:
         """One candidate's measurement (on rank 0; the other ranks' copies carry no numbers)."""
         slug = "_".join(o.split("=", 1)[1].replace("/", "-") for o in overrides) or "as-given"
@@ -111,7 +116,7 @@ class Runner:
             f"log.every={self.log_every}",
             "log.progress=false",
             f"run.dir={run_dir}",
-            f"compile.cache_dir={self.work / 'compile_cache'}",
+            f"compile.cache_dir={self.cache_dir}",
         ]
         args = ["fit", self.config, *self.overrides, *overrides, *forced]
         port = self.world.broadcast(_free_port() if self.world.rank == 0 else None)
@@ -173,7 +178,7 @@ class Runner:
             if self.world.size == 1 and self.spares:
                 # Its imports and its compile workers' start overlap this candidate's run; the workers inherit the
                 # candidates' cache directories.
-                self._start_spare({**env, **cache_env(self.work / "compile_cache")})
+                self._start_spare({**env, **cache_env(self.cache_dir)})
             if self.world.size == 1:
                 return self._wait_for_rows(proc, run_dir)
             timeout = None if self.deadline is None else max(1.0, self.deadline - time.monotonic())

@@ -30,6 +30,11 @@ def use_cache_dir(path: Path) -> None:
     os.environ.update(cache_env(path))
 
 
+def wants_workers(backend: str, device_type: str) -> bool:
+    """Whether a compile with ``backend`` for ``device_type`` uses Inductor's Triton compile workers."""
+    return backend == "inductor" and device_type == "cuda"
+
+
 def start_workers() -> bool:
     """Start Inductor's Triton compile workers now (call after :func:`use_cache_dir`: they inherit its directories).
 
