@@ -164,6 +164,7 @@ def run_ours(a, overrides: list[str], cache_dir: str) -> dict:
         "final_loss": s["loss"],
         "kernels": {k["name"]: k["count"] for k in kernels},  # what the compile layer substituted
         "compile_time_s": facts.get("compile_time_s"),  # by phase (Dynamo, AOTAutograd, Inductor, ...)
+        "kernels_compiled_beside": facts.get("kernels_compiled_beside"),  # trainer/ops/warm.py's process
     }
 
 

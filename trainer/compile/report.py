@@ -417,6 +417,7 @@ class CompileWatcher:
         phases = {p: round(sum(c["phases_s"][p] for c in self._compiles), 6) for p in PHASES}
         breaks = sorted(self._breaks.values(), key=lambda b: (b["file"] or "", b["line"] or 0))
         from trainer.compile.passes.substitute import LOG
+        from trainer.ops import warm
 
         return {
             "torch_version": torch.__version__,
@@ -437,6 +438,8 @@ class CompileWatcher:
             # The kernels substituted into the graphs (trainer/compile/passes/), and the near-misses left alone.
             "kernels": LOG.report(),
             "kernel_near_misses": [{"name": n, "source": src, "reason": r} for n, src, r in LOG.near_misses],
+            # trainer's kernels compiled in a second process while the model compiled (trainer/ops/warm.py)
+            "kernels_compiled_beside": warm.last,
             # Frames Dynamo gave up on (a break it cannot resume from, or an error suppressed): they run eagerly.
             "not_compiled": [
                 {k: c[k] for k in ("compile_id", "function", "where")} | {"error": c["failed"]}

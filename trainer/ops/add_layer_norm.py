@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from trainer.ops import warm
 from trainer.ops.utils import autocast_dtype, interpreted, plan_programs, sum_parts, triton_can_run
 
 __all__ = ["add_layer_norm", "add_layer_norm_op", "layer_norm"]
@@ -219,6 +220,7 @@ def _fwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(s, y, mean, rstd)`` over the rows of 2-D ``x``: ``s = x + (inc + inc_bias)`` (empty without
     ``inc``), ``y = LayerNorm(s)`` in ``out_dtype``, fp32 row statistics."""
+    warm.finish()
     if inc_bias is not None and inc is None:
         raise ValueError("add_layer_norm: inc_bias without inc")
     n_rows, n_cols = x.shape
@@ -256,6 +258,7 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _(x, inc, inc_bias, weight, bias, eps, out_dtype):
+    warm.record(__name__, "add_layer_norm", (x, inc, inc_bias, weight, bias, eps, out_dtype))
     n_rows = x.shape[0]
     s = torch.empty_like(x) if inc is not None else x.new_empty(0)
     return (
@@ -301,6 +304,7 @@ def _bwd_op(
     """``(dx, dinc, dweight, dbias, dinc_bias)``: ``dx = ds + d(y . dy)/ds`` in s's dtype, the same in
     ``inc_dtype`` (empty when None), the weight and bias gradients (bias empty when ``has_bias`` is
     False) and the column sums of ``dx`` in ``inc_bias_dtype`` (empty when None)."""
+    warm.finish()
     if not _use_triton(s.device):
         return _backward_torch(dy, ds, s, weight, mean, rstd, has_bias, inc_dtype, inc_bias_dtype)
     n_rows, n_cols = s.shape
@@ -343,6 +347,8 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _(dy, ds, s, weight, mean, rstd, has_bias, inc_dtype, inc_bias_dtype):
+    args = (dy, ds, s, weight, mean, rstd, has_bias, inc_dtype, inc_bias_dtype)
+    warm.record(__name__, "add_layer_norm_backward", args)
     dinc = s.new_empty(s.shape, dtype=inc_dtype) if inc_dtype is not None else s.new_empty(0)
     db = weight.new_empty(weight.shape) if has_bias else weight.new_empty(0)
     dib = weight.new_empty(weight.shape, dtype=inc_bias_dtype) if inc_bias_dtype is not None else weight.new_empty(0)

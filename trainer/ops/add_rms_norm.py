@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from trainer.ops import warm
 from trainer.ops.utils import autocast_dtype, interpreted, plan_programs, sum_parts, triton_can_run
 
 __all__ = ["add_rms_norm", "rms_norm"]
@@ -167,6 +168,7 @@ def _fwd_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(s, y, rstd)`` over the rows of 2-D ``x``: ``s = x + inc`` in x's dtype (empty without ``inc``),
     ``y = RMSNorm(s) * weight`` in ``out_dtype``, the fp32 per-row ``1/rms``."""
+    warm.finish()
     n_rows, n_cols = x.shape
     if not _use_triton(x.device):
         return _forward_torch(x, inc, weight, eps, out_dtype)
@@ -196,6 +198,7 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _(x, inc, weight, eps, out_dtype):
+    warm.record(__name__, "add_rms_norm", (x, inc, weight, eps, out_dtype))
     s = torch.empty_like(x) if inc is not None else x.new_empty(0)
     return s, x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[0], dtype=torch.float32)
 
@@ -220,6 +223,7 @@ def _bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dinc, dweight)``: ``dx = ds + d(y . dy)/ds`` in s's dtype, the same in ``inc_dtype`` (empty when
     None) and the weight gradient in the weight's dtype."""
+    warm.finish()
     if not _use_triton(s.device):
         return _backward_torch(dy, ds, s, weight, rstd, inc_dtype)
     n_rows, n_cols = s.shape
@@ -255,6 +259,7 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _(dy, ds, s, weight, rstd, inc_dtype):
+    warm.record(__name__, "add_rms_norm_backward", (dy, ds, s, weight, rstd, inc_dtype))
     dinc = s.new_empty(s.shape, dtype=inc_dtype) if inc_dtype is not None else s.new_empty(0)
     return torch.empty_like(s), dinc, weight.new_empty(weight.shape)
 

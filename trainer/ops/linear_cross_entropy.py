@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from trainer.ops import warm
 from trainer.ops.utils import autocast_dtype, interpreted, triton_can_run
 
 __all__ = ["linear_cross_entropy"]
@@ -267,6 +268,7 @@ def _linear_cross_entropy_op(
     A gradient that is not asked for comes back as an empty tensor. ``linear_cross_entropy``
     is the user-facing function; the extra outputs exist so that the backward can use them.
     """
+    warm.finish()
     n_rows, n_cols = x.shape[0], weight.shape[0]
     with torch.autocast(x.device.type, enabled=False):  # dtypes are explicit below
         _check_targets(targets, ignore_index, n_cols)
@@ -311,6 +313,8 @@ def _linear_cross_entropy_op(
 
 @_linear_cross_entropy_op.register_fake
 def _(x, weight, targets, ignore_index, reduction, compute_dtype, chunk_size, grad_x, grad_weight):
+    args = (x, weight, targets, ignore_index, reduction, compute_dtype, chunk_size, grad_x, grad_weight)
+    warm.record(__name__, "linear_cross_entropy", args)
     loss = x.new_empty((), dtype=torch.float32)
     dx = x.new_empty(x.shape) if grad_x else x.new_empty(0)
     dw = weight.new_empty(weight.shape) if grad_weight else weight.new_empty(0)
@@ -369,6 +373,7 @@ def _saved_op(
     """Returns ``(loss, dlogits)``: ``x`` and ``weight`` already in the compute dtype; the (N, V) logits
     buffer, after the kernel, holds d(sum of row losses)/dlogits (with ``compute_grad``) and is what the
     backward keeps."""
+    warm.finish()
     n_cols = weight.shape[0]
     with torch.autocast(x.device.type, enabled=False):
         _check_targets(targets, ignore_index, n_cols)
@@ -385,6 +390,7 @@ def _saved_op(
 
 @_saved_op.register_fake
 def _(x, weight, targets, ignore_index, reduction, compute_grad):
+    warm.record(__name__, "linear_cross_entropy_saved", (x, weight, targets, ignore_index, reduction, compute_grad))
     padded = weight.shape[0] - weight.shape[0] % -_VOCAB_ALIGN  # V rounded up, as _pad_rows
     return x.new_empty((), dtype=torch.float32), x.new_empty((x.shape[0], padded))
 
