@@ -84,6 +84,13 @@ def test_calls_are_rebuilt_with_their_layout():
     assert rebuilt[1][0].shape == (4, 24) and rebuilt[2:] == [None, 1e-5, torch.float32, True, "mean"]
 
 
+def test_tensor_subclasses_are_not_sent():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    pair = TwoTensor(torch.zeros(4, 8), torch.zeros(4, 8))  # a wrapper like DTensor: its shape is not the kernel's
+    assert warm._encode(pair) is warm._SKIP and warm._encode(torch.zeros(4, 8)) is not warm._SKIP
+
+
 def test_symbolic_shapes_are_not_sent():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 

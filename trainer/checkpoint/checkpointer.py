@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -223,6 +223,8 @@ class ReadAhead:
     def __init__(self, spec: str, run_dir: Path, env: DistEnv):
         self.spec = spec
         self._out: tuple[Path, dict[str, Any]] | BaseException | None = None
+        if env.device.type == "cuda" and env.device.index is None:  # "cuda": this thread's device, for the other
+            env = replace(env, device=torch.device("cuda", torch.cuda.current_device()))
         self._thread = threading.Thread(
             target=self._read, args=(run_dir, env), name="checkpoint-read-ahead", daemon=True
         )

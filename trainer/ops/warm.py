@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 WAIT_S = 60.0
 """How long :func:`finish` waits for a process that has started compiling."""
@@ -152,8 +153,11 @@ _SKIP = object()
 
 def _encode(a: Any) -> Any:
     """A JSON form of one argument: tensors by shape, stride, offset and dtype; dtypes by name; scalars as
-    themselves; ``_SKIP`` for what cannot be rebuilt (a symbolic size, an object)."""
+    themselves; ``_SKIP`` for what cannot be rebuilt (a symbolic size, a tensor subclass such as a ``DTensor``,
+    whose shape is not what the kernel sees, an object)."""
     if isinstance(a, torch.Tensor):
+        if is_traceable_wrapper_subclass(a):
+            return _SKIP
         sizes = (*a.shape, *a.stride(), a.storage_offset())
         if not all(isinstance(s, int) for s in sizes):
             return _SKIP
