@@ -64,7 +64,9 @@ seconds; such runs write to a temporary file unless ``--out`` says where.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -80,6 +82,9 @@ from scripts._models import hf_dir, spec  # noqa: E402
 from scripts.bench_ddp import SAME_AS_USER, SPEC_PEAK  # noqa: E402
 
 ROWS = {"loop": {"kind": "user"}, "loop-fp8": {"kind": "user", "fp8": True}, "ours": {"kind": "ours", "overrides": []}}
+LAYOUT_KEYS = ("distributed.replicate", "distributed.tp", "distributed.cp", "data.seq_len")
+"""What a row of either kind may set (``loop@distributed.tp=2``, ``ours@data.seq_len=32768``): the mesh's layout and
+the sequence length. Ours takes them as its config keys; the loop builds the same layout (see :func:`loop_mesh`)."""
 AC_MODES = ("none", "full", "selective")
 # --tiny: the model's config with these fields changed (a 2-layer Llama, 64 wide; bytes fill its vocabulary).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -102,11 +107,27 @@ def parse_job(job: str) -> dict:
                          f"(row: {' or '.join(ROWS)}, perhaps with @key=value; ac: {', '.join(AC_MODES)})")  # fmt: skip
     if spec(model)["kind"] != "hf":
         raise SystemExit(f"--plan: '{job}': {model} is not a Hugging Face model; this benchmark trains those")
+    base, *parts = row.split("@")
+    layout = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key in LAYOUT_KEYS:
+            if not (value.isdigit() and int(value) > 0):
+                raise SystemExit(f"--plan: '{job}': {key} takes a positive integer, got '{value}'")
+            layout[key] = int(value)
     try:
-        row_spec = parse_variant(row, ROWS)
+        row_spec = parse_variant("@".join([base, *(p for p in parts if p.partition("=")[0] not in LAYOUT_KEYS)]), ROWS)
     except SystemExit as e:
         raise SystemExit(f"--plan: '{job}': {str(e).removeprefix('--variants: ')}") from None
-    return {"model": model, "world": int(world), "batch": int(batch), "row": row, "ac": ac, "spec": row_spec}
+    if row_spec["kind"] == "ours":
+        row_spec["overrides"] = [*row_spec["overrides"], *(f"{k}={v}" for k, v in layout.items())]
+    group = math.prod(layout.get(f"distributed.{k}", 1) for k in ("replicate", "tp", "cp"))
+    if int(world) % group:
+        raise SystemExit(f"--plan: '{job}': world {world} does not divide by replicate x tp x cp = {group}")
+    if row_spec.get("fp8") and layout.get("distributed.tp", 1) > 1:
+        raise SystemExit(f"--plan: '{job}': the loop's float8 with tensor parallel is not written; use loop")
+    return {"model": model, "world": int(world), "batch": int(batch), "row": row, "ac": ac, "spec": row_spec,
+            "layout": layout}  # fmt: skip
 
 
 def _plan(a) -> list[str]:
@@ -127,8 +148,71 @@ def _plan(a) -> list[str]:
     return out
 
 
-def _seq(a, model: str) -> int:
-    return TINY_SEQ if a.tiny else spec(model)["seq"]
+def _seq(a, job: dict) -> int:
+    """The job's sequence length: its ``data.seq_len``, else the model's (``--tiny``: TINY_SEQ)."""
+    return job.get("layout", {}).get("data.seq_len") or (TINY_SEQ if a.tiny else spec(job["model"])["seq"])
+
+
+def _group(job: dict) -> int:
+    """The GPUs that share one batch: a tensor- and context-parallel group (``batch`` is sequences per data-parallel
+    rank, as ``train.micro_batch_size``)."""
+    return job["layout"].get("distributed.tp", 1) * job["layout"].get("distributed.cp", 1)
+
+
+def loop_mesh(world: int, layout: dict, device_type: str):
+    """The loop's mesh, as torchtitan lays it out (``parallel_dims.py``): dimensions ``dp_replicate``, ``dp_shard``,
+    ``cp``, ``tp`` (``dp_shard``: what the others leave of ``world``); FSDP shards over ``dp_shard`` and ``cp``
+    flattened (``dp_shard_cp``), HSDP also replicates over ``dp_replicate``. Returns ``(fsdp_mesh, tp_mesh, cp_mesh,
+    dp_rank)``: the tensor- and context-parallel meshes None where their size is 1; ``dp_rank`` this rank's index
+    among the data-parallel ranks (those that draw different batches)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    r, tp, cp = (layout.get(f"distributed.{k}", 1) for k in ("replicate", "tp", "cp"))
+    names = ("dp_replicate", "dp_shard", "cp", "tp")
+    mesh = init_device_mesh(device_type, (r, world // (r * tp * cp), cp, tp), mesh_dim_names=names)
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    fsdp = mesh["dp_replicate", "dp_shard_cp"] if r > 1 else mesh["dp_shard_cp"]
+    return fsdp, mesh["tp"] if tp > 1 else None, mesh["cp"] if cp > 1 else None, dp.get_local_rank()
+
+
+def clip_across_meshes(params: list, max_norm: float) -> None:
+    """``clip_grad_norm_`` for gradients on several meshes (``clip_grad_norm_`` stacks the norms, which DTensor
+    refuses across meshes): each mesh's norm summed over its ranks, then one scale for all."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for ps in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    for ps in groups.values():  # one multiply per mesh: DTensor runs no op across meshes
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+
+
+def _causal_attention_without_mask(hf) -> None:
+    """The model's attention as one causal SDPA call with no mask, as context parallel needs (its ring attention
+    takes ``is_causal`` and no mask; transformers would build one from the head-tail positions, which jump)."""
+    import torch.nn.functional as F
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+        groups = getattr(module, "num_key_value_groups", 1)
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (B, H, T, D)
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("loop_causal", attention)
+    AttentionMaskInterface.register("loop_causal", lambda *args, **kwargs: None)
+    for sub in hf.modules():  # transformers reads the implementation from each submodule's config
+        if hasattr(sub, "config") and hasattr(sub.config, "_attn_implementation"):
+            sub.config._attn_implementation = "loop_causal"
 
 
 def run_loop(a, job: dict) -> dict:
@@ -147,17 +231,26 @@ def run_loop(a, job: dict) -> dict:
     from trainer.models.recompute import policy
     from trainer.optim import param_groups
 
-    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    local = int(os.environ["LOCAL_RANK"])
     cuda = a.device == "cuda"
     dev = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
     t0 = time.perf_counter()
+    fsdp_mesh, tp_mesh, cp_mesh, dp_rank = loop_mesh(dist.get_world_size(), job["layout"], dev.type)
     config = load_hf_config(str(hf_dir(job["model"], tempfile.mkdtemp())), TINY if a.tiny else None)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = HFCausalLM(hf)  # the root FSDP unit: its forward runs the base model, the head and the loss
+    if cp_mesh is not None:
+        _causal_attention_without_mask(hf)
+    if tp_mesh is not None:  # transformers' own plan (config.base_model_tp_plan), as trainer reads it
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        plan = {k: styles[v]() for k, v in (config.base_model_tp_plan or {}).items() if v in styles}
+        parallelize_module(getattr(hf, hf.base_model_prefix), tp_mesh, plan)
     if job["spec"].get("fp8"):  # torchtitan's float8: every linear but the head, float8 all-gather, scales per step
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -175,8 +268,8 @@ def run_loop(a, job: dict) -> dict:
                                                    **(selective if job["ac"] == "selective" else {}))  # fmt: skip
         if a.compile_backend != "none":
             layer.compile(backend=a.compile_backend)
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
     model.to_empty(device=dev)
     # transformers' own initialisation works on the DTensor shards (normal_ and fill_ are sharded ops) and
     # recomputes the rotary embedding's buffers, which to_empty left uninitialised. Same seed on every rank, so
@@ -190,15 +283,37 @@ def run_loop(a, job: dict) -> dict:
         opt.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
     build_s = time.perf_counter() - t0
 
-    seq, batch, vocab = _seq(a, job["model"]), job["batch"], config.vocab_size
-    gen = torch.Generator(dev).manual_seed(rank)
+    seq, batch, vocab = _seq(a, job), job["batch"], config.vocab_size
+    gen = torch.Generator(dev).manual_seed(dp_rank)  # a tensor- or context-parallel group draws one batch
+    cp_context = None
+    if cp_mesh is not None:  # torch's context_parallel: the batch's sequences sharded head-tail, ring attention
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+        def cp_context(*buffers):
+            stack = contextlib.ExitStack()
+            stack.enter_context(context_parallel(cp_mesh, buffers=list(buffers), buffer_seq_dims=[1] * len(buffers),
+                                                 no_restore_buffers=set(buffers)))  # fmt: skip
+            stack.enter_context(sdpa_kernel(kernels))
+            return stack
 
     def step() -> torch.Tensor:
         tokens = torch.randint(vocab, (batch, seq + 1), device=dev, generator=gen)  # (B, T + 1)
         idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # targets: the next token
-        loss = model(idx, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if cp_context is None:
+            loss = model(idx, targets)
+            loss.backward()
+        else:  # each rank's slices of the sequences, with their positions (RoPE reads them)
+            positions = torch.arange(seq, device=dev).expand(batch, seq).contiguous()
+            with cp_context(idx, targets, positions):
+                loss = model(idx, targets, positions)
+                loss.backward()
+        if tp_mesh is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        else:  # the split linears' gradients live on the (FSDP, TP) mesh, the rest on FSDP's: a norm per mesh
+            clip_across_meshes(list(model.parameters()), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -219,7 +334,7 @@ def run_loop(a, job: dict) -> dict:
     sync()
     per_step = (time.perf_counter() - t0) / a.steps
     out = {
-        "tokens_per_s_per_gpu": batch * seq / per_step,
+        "tokens_per_s_per_gpu": batch * seq / _group(job) / per_step,
         "step_ms": per_step * 1e3,
         "first_step_s": first,
         "build_s": build_s,
@@ -245,7 +360,7 @@ def run_ours(a, job: dict) -> dict:
         *overrides(job["model"], tempfile.mkdtemp()), *([f"model.hf_overrides={tiny}"] if a.tiny else []),
         f"train.device={a.device}", *(["train.precision=bf16"] if a.device == "cuda" else []),
         "distributed.strategy=fsdp", *compiled, f"train.activation_checkpointing={job['ac']}",
-        f"train.micro_batch_size={job['batch']}", f"data.seq_len={_seq(a, job['model'])}",
+        f"train.micro_batch_size={job['batch']}", f"data.seq_len={_seq(a, job)}",
         # train.stop_at one short of train.steps: the run stops before the final evaluation (which would compile
         # its own no-grad graphs); the schedule is constant, so the extra step changes nothing else.
         f"train.steps={n + 1}", f"train.stop_at={n}", f"log.every={n}", "train.eval_batches=1",
@@ -254,8 +369,7 @@ def run_ours(a, job: dict) -> dict:
         *job["spec"]["overrides"],
     ])  # fmt: skip
     s = Trainer(cfg).fit()
-    # batch is sequences per data-parallel rank; a tensor- or context-parallel group of tp x cp GPUs shares them.
-    per_gpu = job["batch"] * cfg.data.seq_len / (cfg.distributed.tp * cfg.distributed.cp)
+    per_gpu = job["batch"] * cfg.data.seq_len / _group(job)
     return {
         "tokens_per_s_per_gpu": per_gpu / s["median_step_s"],
         "step_ms": s["median_step_s"] * 1e3,
@@ -336,15 +450,16 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
         return proc.communicate()
 
 
-def model_flops(a, model: str) -> float:
-    """Training FLOPs per token of ``model`` at its sequence length, attention counted (built without storage)."""
+def model_flops(a, model: str, seq: int) -> float:
+    """Training FLOPs per token of ``model`` at ``seq`` tokens a sequence, attention counted (built without
+    storage)."""
     import torch
 
     from trainer.models.hf import build_hf_model
 
     with torch.device("meta"):
         m = build_hf_model(str(hf_dir(model, tempfile.mkdtemp())), overrides=TINY if a.tiny else None)
-    return m.flops_per_token(_seq(a, model))
+    return m.flops_per_token(seq)
 
 
 def main() -> None:
@@ -397,7 +512,8 @@ def main() -> None:
            "compile_backend": a.compile_backend, "steps": a.steps, "warmup": a.warmup,
            "matmul_peak_tflops": None}  # fmt: skip
     doc = {"run": run, "results": dict(old.get("results", {}))}  # this call's jobs replace those of the same key
-    flops = {m: model_flops(a, m) for m in dict.fromkeys(parse_job(j)["model"] for j in jobs)}
+    shapes = dict.fromkeys((j["model"], _seq(a, j)) for j in map(parse_job, jobs))
+    flops = {shape: model_flops(a, *shape) for shape in shapes}
     ooms: dict[tuple, int] = {}  # (model, world, row, ac) -> the micro-batch that ran out of memory in this call
     for job in jobs:
         j = parse_job(job)
@@ -423,11 +539,12 @@ def main() -> None:
 def _entry(a, job: dict, res: dict, flops: dict, run: dict) -> dict:
     """A job's JSON entry: what ran, on what, its result and its MFU."""
     entry = {k: job[k] for k in ("model", "world", "batch", "row", "ac")}
-    entry.update(seq=_seq(a, job["model"]), tiny=a.tiny, device=a.device, flops_per_token=flops[job["model"]],
+    seq = _seq(a, job)
+    entry.update(seq=seq, tiny=a.tiny, device=a.device, flops_per_token=flops[job["model"], seq],
                  git_sha=run["git_sha"], torch=run["torch"], **res)  # fmt: skip
     entry.setdefault("gpu", run["gpu"])
     if "tokens_per_s_per_gpu" in res and a.device == "cuda":
-        achieved = flops[job["model"]] * res["tokens_per_s_per_gpu"]
+        achieved = flops[job["model"], seq] * res["tokens_per_s_per_gpu"]
         entry["mfu_spec"] = achieved / SPEC_PEAK
         peak = res.get("matmul_peak_tflops")
         entry["mfu_measured_peak"] = achieved / (peak * 1e12) if peak else None
@@ -452,14 +569,17 @@ def table(doc: dict) -> str:
              "| MFU (measured peak) | peak mem GB | first step s | job s | final loss |",
              "|---" * 15 + "|"]  # fmt: skip
 
-    def tps(model, world, batch, row, ac):
-        return results.get(f"{model}:{world}:{batch}:{row}:{ac}", {}).get("tokens_per_s_per_gpu")
+    index = {_shape(key, e) + (_without_layout(e["row"]),): e.get("tokens_per_s_per_gpu") for key, e in results.items()}
+
+    def tps(key, e, row, world=None):  # the same shape and layout, another row (and world)
+        model, w, batch, ac, layout = _shape(key, e)
+        return index.get((model, world or w, batch, ac, layout, row))
 
     def order(item):
         e = item[1]
         return e["model"], e["ac"], e["batch"], e["world"], e["row"] != "loop", e["row"]
 
-    for _, e in sorted(results.items(), key=order):
+    for key, e in sorted(results.items(), key=order):
         name = e["model"] + (" (tiny)" if e.get("tiny") else "") + ("" if e.get("gpu") == run["gpu"] else
                                                                     f" [{e.get('gpu')}]")  # fmt: skip
         head = f"| {name} | {e['world']} | {e['batch']} x {e['seq']} | {e['row']} | {e['ac']} |"
@@ -468,12 +588,13 @@ def table(doc: dict) -> str:
             lines.append(f"{head} {why} |" + " |" * 9)
             continue
         t = e["tokens_per_s_per_gpu"]
-        loop = tps(e["model"], e["world"], e["batch"], "loop", e["ac"])
-        vs = f"{t / loop:.3f}x" if loop and e["row"] != "loop" else "-"
-        loop8 = tps(e["model"], e["world"], e["batch"], "loop-fp8", e["ac"])
+        row = _without_layout(e["row"])
+        loop = tps(key, e, "loop")
+        vs = f"{t / loop:.3f}x" if loop and row != "loop" else "-"
+        loop8 = tps(key, e, "loop-fp8")
         if loop8 and "precision=fp8" in e["row"]:  # ours in fp8: against torchtitan's float8 too
             vs += f" ({t / loop8:.3f}x loop-fp8)"
-        one = tps(e["model"], 1, e["batch"], e["row"], e["ac"]) if e["world"] > 1 else None
+        one = tps(key, e, row, world=1) if e["world"] > 1 else None
         scaling = f"{t / one * 100:.1f}%" if one else "-"
         mfu = f"{e['mfu_spec'] * 100:.1f}%" if e.get("mfu_spec") else "-"
         mfu_peak = f"{e['mfu_measured_peak'] * 100:.1f}%" if e.get("mfu_measured_peak") else "-"
@@ -488,12 +609,19 @@ def best_table(doc: dict) -> str:
     against the fastest of the loop and of loop-fp8 at the same model and world, and the largest micro-batch that
     fit for each AC mode tried."""
     groups: dict[tuple, list[dict]] = {}
-    for e in doc["results"].values():
+    peers: dict[int, tuple] = {}  # id of a result -> (model, world, layout): the loop rows it compares with
+    for key, e in doc["results"].items():
         groups.setdefault((e["model"], e["world"], e["row"]), []).append(e)
+        peers[id(e)] = (e["model"], e["world"], _shape(key, e)[4])
 
     def fastest(model, world, row) -> dict | None:
         ran = [e for e in groups.get((model, world, row), []) if "tokens_per_s_per_gpu" in e]
         return max(ran, key=lambda e: e["tokens_per_s_per_gpu"]) if ran else None
+
+    def fastest_peer(e: dict, base: str) -> dict | None:
+        ran = [o for o in doc["results"].values() if peers[id(o)] == peers[id(e)]
+               and _without_layout(o["row"]) == base and "tokens_per_s_per_gpu" in o]  # fmt: skip
+        return max(ran, key=lambda o: o["tokens_per_s_per_gpu"]) if ran else None
 
     lines = ["\nEach row at its best (the fastest AC and micro-batch that ran):",
              "| model | world | row | AC, B | tok/s/GPU | peak mem GB | vs loop's best | vs loop-fp8's best "
@@ -505,7 +633,7 @@ def best_table(doc: dict) -> str:
         t = best["tokens_per_s_per_gpu"]
         vs = []
         for base in ("loop", "loop-fp8"):
-            other = fastest(model, world, base) if row != base else None
+            other = fastest_peer(best, base) if _without_layout(row) != base else None
             vs.append(f"{t / other['tokens_per_s_per_gpu']:.3f}x" if other else "-")
         fits = []
         for ac in AC_MODES:
@@ -517,6 +645,19 @@ def best_table(doc: dict) -> str:
         lines.append(f"| {model} | {world} | {row} | {best['ac']}, {best['batch']} | {_si(t)} | {mem} | {vs[0]} | "
                      f"{vs[1]} | {'; '.join(fits)} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _without_layout(row: str) -> str:
+    """``row`` without its :data:`LAYOUT_KEYS` parts (``ours@distributed.tp=2@train.precision=fp8`` -> ``ours@train.
+    precision=fp8``)."""
+    return "@".join(p for p in row.split("@") if p.partition("=")[0] not in LAYOUT_KEYS)
+
+
+def _shape(key: str, e: dict) -> tuple:
+    """``(model, world, batch, ac, layout)`` of a result: its layout (:data:`LAYOUT_KEYS`, sorted) read from the row."""
+    parts = [p.partition("=") for p in e["row"].split("@")[1:]]
+    layout = tuple(sorted((k, v) for k, _, v in parts if k in LAYOUT_KEYS))
+    return e["model"], e["world"], e["batch"], e["ac"], layout
 
 
 def _si(x: float) -> str:

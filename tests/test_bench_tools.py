@@ -350,7 +350,7 @@ def test_bench_fsdp_skips_the_larger_micro_batches_of_a_setting_that_ran_out_of_
                 "process_wall_s": 1.0, "final_loss": 1.0, "peak_mem_gb": 1.0}  # fmt: skip
 
     monkeypatch.setattr(bench, "_spawn", fake_spawn)
-    monkeypatch.setattr(bench, "model_flops", lambda a, m: 1.0)
+    monkeypatch.setattr(bench, "model_flops", lambda a, m, seq: 1.0)
     monkeypatch.setattr("sys.argv", ["bench_fsdp.py", "--device", "cpu", "--tiny", "--models", "hf-llama-1b",
                                      "--worlds", "2", "--batch", "2,4,8", "--rows", "loop,ours", "--ac", "none",
                                      "--out", str(tmp_path / "r.json")])  # fmt: skip
@@ -461,3 +461,61 @@ def test_bench_tune_says_where_a_runs_seconds_went(tmp_path):
     assert got == {"startup_s": {"imports": 0.1, "build": 0.6}, "first_step_s": 20.0, "later_steps_s": 7.8,
                    "compile_time_s": {"dynamo": 1.0, "total": 15.0}}  # fmt: skip
     assert bench_tune.seconds_of(tmp_path / "none") is None
+
+
+def test_bench_fsdp_reads_a_rows_layout_and_compares_it_with_the_loop_of_the_same_layout():
+    from scripts.bench_fsdp import _shape, _without_layout, parse_job, table
+
+    job = parse_job("hf-llama-1b:4:2:ours@distributed.tp=2@train.precision=fp8@data.seq_len=32768:none")
+    assert job["layout"] == {"distributed.tp": 2, "data.seq_len": 32768}
+    assert job["spec"]["overrides"] == ["train.precision=fp8", "distributed.tp=2", "data.seq_len=32768"]
+    assert parse_job("hf-llama-1b:4:2:loop@distributed.cp=2@distributed.replicate=2:none")["layout"] == {
+        "distributed.cp": 2, "distributed.replicate": 2}  # fmt: skip
+    for bad in (
+        "hf-llama-1b:4:2:loop@distributed.tp=3:none",
+        "hf-llama-1b:2:2:loop@distributed.tp=0:none",
+        "hf-llama-1b:2:2:loop-fp8@distributed.tp=2:none",
+        "hf-llama-1b:2:2:loop@train.precision=fp8:none",
+    ):
+        with pytest.raises(SystemExit):
+            parse_job(bad)
+    assert _without_layout("ours@distributed.tp=2@train.precision=fp8") == "ours@train.precision=fp8"
+
+    def entry(row, tps):
+        return {"model": "m", "world": 2, "batch": 2, "row": row, "ac": "none", "seq": 64, "tokens_per_s_per_gpu": tps,
+                "step_ms": 1.0, "first_step_s": 1.0, "process_wall_s": 1.0, "final_loss": 1.0}  # fmt: skip
+
+    results = {
+        f"m:2:2:{r}:none": entry(r, t)
+        for r, t in [("loop", 100.0), ("ours", 110.0), ("loop@distributed.tp=2", 50.0), ("ours@distributed.tp=2", 60.0)]
+    }
+    assert _shape("m:2:2:ours@distributed.tp=2:none", results["m:2:2:ours@distributed.tp=2:none"])[4] == (
+        ("distributed.tp", "2"),)  # fmt: skip
+    doc = {"run": {"gpu": None, "device": "cpu", "gpus": 0, "torch": "t", "triton": "t", "git_sha": "g"},
+           "results": results}  # fmt: skip
+    rows = {
+        line.split("|")[4].strip(): line.split("|")[7].strip()
+        for line in table(doc).splitlines()
+        if line.startswith("| m ")
+    }
+    assert rows == {"loop": "-", "ours": "1.100x", "loop@distributed.tp=2": "-", "ours@distributed.tp=2": "1.200x"}
+
+
+def test_bench_fsdps_loop_trains_under_tensor_parallel_and_hsdp_on_two_cpu_processes(tmp_path, monkeypatch):
+    """The loop's layouts on 2 gloo processes, a 2-layer Llama: TP 2 (transformers' plan, the gradient norm across
+    the two meshes) and HSDP 2 x 1 train from an initialised model (loss near ln 256 on random tokens)."""
+    import json
+    import math
+
+    from scripts.bench_fsdp import main
+
+    out = tmp_path / "result.json"
+    plan = "hf-llama-1b:2:2:loop@distributed.tp=2:none,hf-llama-1b:2:2:loop@distributed.replicate=2:none"
+    argv = ["scripts/bench_fsdp.py", "--device", "cpu", "--tiny", "--compile-backend", "aot_eager", "--steps", "2",
+            "--warmup", "1", "--plan", plan, "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.chdir(ROOT)
+    main()
+    for res in json.loads(out.read_text())["results"].values():
+        assert "error" not in res, res.get("error")
+        assert abs(res["final_loss"] - math.log(256)) < 0.1, res["final_loss"]

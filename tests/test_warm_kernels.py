@@ -109,18 +109,40 @@ def _plan(device: str, compiled: bool):
     return SimpleNamespace(cfg=cfg, compiled=compiled, device=torch.device(device))
 
 
-@pytest.mark.parametrize(("device", "compiled", "env", "armed"),
-                         [("cuda", True, "1", True), ("cuda", True, "0", False), ("cpu", True, "1", False),
-                          ("cuda", False, "1", False)])  # fmt: skip
-def test_the_run_arms_it_where_the_model_compiles_for_cuda(monkeypatch, tmp_path, device, compiled, env, armed):
+@pytest.mark.parametrize(("device", "compiled", "env", "backend", "armed"),
+                         [("cuda", True, "1", "inductor", True), ("cuda", True, "0", "inductor", False),
+                          ("cpu", True, "1", "inductor", False), ("cuda", False, "1", "inductor", False),
+                          ("cuda", True, "1", "aot_eager", False)])  # fmt: skip
+def test_the_run_arms_it_where_inductor_compiles_for_cuda(monkeypatch, tmp_path, device, compiled, env, backend, armed):
     from trainer.compile import cache
 
     monkeypatch.setattr(cache, "start_workers", lambda: True)
     monkeypatch.setenv("TRAINER_WARM_KERNELS", env)
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         monkeypatch.setenv(name, os.environ.get(name, "before"))
-    build.compile_caches(_plan(device, compiled), tmp_path)
+    warm.last = {"sent": 1}  # a run before this one's
+    plan = _plan(device, compiled)
+    plan.cfg.compile.backend = backend
+    build.compile_caches(plan, tmp_path)
     assert (warm._device is not None) is armed
+    assert warm.last is None  # the compile report says nothing of another run's process
+
+
+def test_a_process_that_cannot_start_disarms_and_the_compile_goes_on(monkeypatch):
+    def cannot_start(device):
+        raise OSError("too many processes")
+
+    monkeypatch.setattr(warm, "_Process", cannot_start)
+    warm.enable(torch.device("cpu"))
+    _trace_a_step()  # raises nothing
+    assert warm._device is None and not warm.running()
+
+
+def test_a_calls_input_bytes():
+    with FakeTensorMode():
+        args = (torch.empty(4, 24, dtype=torch.bfloat16)[:, 8:], [torch.empty(10)], None, 1e-5)
+        spec = {"args": [warm._encode(a) for a in args]}
+    assert warm._input_bytes(spec) == (8 + 3 * 24 + 16) * 2 + 10 * 4
 
 
 _LOADS_WHAT_IT_COMPILED = """

@@ -242,8 +242,8 @@ def _eval_context(raw_model: nn.Module, plan: plan_rules.Plan):
 def compile_caches(plan: plan_rules.Plan, run_dir) -> bool:
     """Point the compile caches at ``compile.cache_dir`` (default ``<run_dir>/compile_cache``) where anything is
     compiled, and start Triton's compile workers where Inductor compiles for CUDA (while the model is built: see
-    :func:`trainer.compile.cache.start_workers`); where the model compiles for CUDA, trainer's own kernels are
-    compiled in a second process as the compile finds them (:mod:`trainer.ops.warm`; ``TRAINER_WARM_KERNELS=0``
+    :func:`trainer.compile.cache.start_workers`); there trainer's own kernels are also compiled in a second
+    process as the compile finds them (:mod:`trainer.ops.warm`; ``TRAINER_WARM_KERNELS=0``
     turns it off). Returns whether anything is compiled."""
     import os
     from pathlib import Path
@@ -252,13 +252,14 @@ def compile_caches(plan: plan_rules.Plan, run_dir) -> bool:
     from trainer.ops import warm
 
     cfg = plan.cfg
+    inductor_on_cuda = plan.compiled and cache.wants_workers(cfg.compile.backend, plan.device.type)
+    # trainer's kernels compiled in a second process, as the compile finds them (None: not in this run)
+    warm.enable(plan.device if inductor_on_cuda and os.environ.get("TRAINER_WARM_KERNELS", "1") != "0" else None)
     if not (plan.compiled or cfg.compile.autograd):
         return False
     cache.use_cache_dir(Path(cfg.compile.cache_dir) if cfg.compile.cache_dir else Path(run_dir) / "compile_cache")
-    if plan.compiled and cache.wants_workers(cfg.compile.backend, plan.device.type):
+    if inductor_on_cuda:
         cache.start_workers()
-    if plan.compiled and plan.device.type == "cuda" and os.environ.get("TRAINER_WARM_KERNELS", "1") != "0":
-        warm.enable(plan.device)  # trainer's kernels compiled in a second process, as the compile finds them
     return True
 
 

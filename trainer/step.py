@@ -241,7 +241,7 @@ class TrainStep:
             return out._replace(loss=out.loss * 10.0) if fault_point("spike", step, self.env.rank) else out
         loss = self._forward_backward_or_fall_back(batch_of)
         if self.calls == 1:
-            warm.finish()  # compiled by now: the process compiling trainer's kernels ends, had no op of ours launched
+            warm.finish(wait_s=0)  # had no op of ours launched, nothing it compiles is used: it ends
         if fault_point("spike", step, self.env.rank):  # tests: this rank's loss spikes (as read; the update is not)
             loss = loss * 10.0
         norm = self._reduce_and_clip()

@@ -30,6 +30,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 WAIT_S = 60.0
 """How long :func:`finish` waits for a process that has started compiling."""
+FREE_SHARE = 0.25
+"""The most of the GPU's free memory one call's inputs may take in the process (its outputs take about as much
+again); a larger call is left to the main process."""
 
 
 class _Process:
@@ -45,6 +48,7 @@ class _Process:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            errors="replace",
             bufsize=1,
         )
         self.ready = threading.Event()
@@ -54,14 +58,17 @@ class _Process:
         self.reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            word, _, rest = line.rstrip("\n").partition(" ")
-            if word == "ready":
-                self.ready.set()
-            elif word == "done":
-                self.done += 1
-            elif word == "failed":
-                self.failed.append(rest)
+        try:
+            for line in self.proc.stdout:
+                word, _, rest = line.rstrip("\n").partition(" ")
+                if word == "ready":
+                    self.ready.set()
+                elif word == "done":
+                    self.done += 1
+                elif word == "failed":
+                    self.failed.append(rest)
+        except (OSError, ValueError):
+            pass
 
     def send(self, line: str) -> None:
         try:
@@ -79,12 +86,12 @@ last: dict[str, Any] | None = None
 """What the last process did (:func:`finish`'s return), for the run's compile report; None before one ran."""
 
 
-def enable(device: torch.device) -> None:
+def enable(device: torch.device | None) -> None:
     """Arm the compiling process for ``device``: the next call traced starts it (call before the model's first
     compile; the caller decides where it pays: trainer's kernels compile for CUDA, and run on CPU only in Triton's
-    interpreter)."""
+    interpreter). None disarms it. Either way a process left from before is stopped and :data:`last` cleared."""
     global _device, last
-    finish()
+    finish(wait_s=0)
     _device, last = device, None
     _seen.clear()
 
@@ -98,19 +105,23 @@ def record(module: str, op: str, args: tuple) -> None:
     """Pass one call of the op ``trainer::<op>`` (registered by ``module``) to the compiling process, once per
     distinct set of argument shapes, strides and dtypes, starting the process at the first; a no-op unless
     :func:`enable` armed it, and for symbolic shapes."""
-    global _process
-    if _device is None:
+    global _device, _process
+    device = _device
+    if device is None:
         return
-    encoded = [_encode(a) for a in args]
-    if any(a is _SKIP for a in encoded):
-        return
-    line = json.dumps({"module": module, "op": op, "args": encoded}, sort_keys=True)
-    if line in _seen:
-        return
-    _seen.add(line)
-    if _process is None:
-        _process = _Process(_device)
-    _process.send(line)
+    try:
+        encoded = [_encode(a) for a in args]
+        if any(a is _SKIP for a in encoded):
+            return
+        line = json.dumps({"module": module, "op": op, "args": encoded}, sort_keys=True)
+        if line in _seen:
+            return
+        _seen.add(line)
+        if _process is None:
+            _process = _Process(device)
+        _process.send(line)
+    except Exception:  # noqa: BLE001 - a speed-up: never the reason a compile fails
+        _device = None
 
 
 def finish(wait_s: float = WAIT_S) -> dict[str, Any] | None:
@@ -122,6 +133,11 @@ def finish(wait_s: float = WAIT_S) -> dict[str, Any] | None:
     p, _process, _device = _process, None, None
     if p is None:
         return None
+    try:  # the end, also where a forked process holds the pipe open
+        p.proc.stdin.write("end\n")
+        p.proc.stdin.flush()
+    except (OSError, ValueError):
+        pass
     try:
         p.proc.stdin.close()
     except OSError:
@@ -134,7 +150,7 @@ def finish(wait_s: float = WAIT_S) -> dict[str, Any] | None:
             stopped = True
     if stopped:
         p.proc.kill()
-        p.proc.wait()
+        p.proc.wait(timeout=10)
     p.reader.join(timeout=5)
     last = {
         "sent": p.sent,
@@ -185,6 +201,21 @@ def _decode(a: Any, device: torch.device) -> Any:
     return a
 
 
+def _input_bytes(spec: dict[str, Any]) -> int:
+    """The bytes of a recorded call's tensor arguments."""
+
+    def size(a: Any) -> int:
+        if isinstance(a, dict) and "tensor" in a:
+            shape, stride, offset, dtype = a["tensor"]
+            extent = 0 if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+            return extent * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        if isinstance(a, dict) and "list" in a:
+            return sum(size(x) for x in a["list"])
+        return 0
+
+    return sum(size(a) for a in spec["args"])
+
+
 def run_call(spec: dict[str, Any], device: torch.device) -> None:
     """Launch the op a recorded call names on zeros of its arguments' layouts (what the compiling process does)."""
     import importlib
@@ -202,8 +233,12 @@ def main(argv: list[str]) -> int:
         torch.zeros(1, device=device)  # the context, before the first call arrives
     print("ready", flush=True)
     for line in sys.stdin:
+        if line.strip() == "end":
+            break
         spec = json.loads(line)
         try:
+            if device.type == "cuda" and _input_bytes(spec) > FREE_SHARE * torch.cuda.mem_get_info(device)[0]:
+                raise MemoryError("its inputs would take more of the GPU's free memory than this process may")
             run_call(spec, device)
             print("done", flush=True)
         except Exception as e:  # noqa: BLE001 - reported to the main process, which compiles the kernel itself
