@@ -24,6 +24,11 @@ grid. Every job runs under ``torch.distributed.run --standalone`` in fresh proce
 - ``loop-fp8``: the loop with torchtitan's float8 (``convert_to_float8_training`` before compile and
   ``fully_shard``: every linear but the LM head, tensorwise scales, the weights all-gathered in float8, their
   scales precomputed after each optimizer step). Ours in fp8 is ``ours@train.precision=fp8``.
+- layouts (either row): ``@distributed.replicate=N``, ``@distributed.tp=N``, ``@distributed.cp=N`` and
+  ``@data.seq_len=T`` (:data:`LAYOUT_KEYS`). The loop lays its ranks out as torchtitan's ``parallel_dims.py`` does
+  (:func:`loop_mesh`): HSDP, tensor parallel with transformers' plan (``config.base_model_tp_plan``) and the clipping
+  norm per mesh, torch's ``context_parallel`` around the forward and backward; each row is compared with the loop of
+  its own layout. ``B`` is sequences per data-parallel rank: a TP x CP group shares them.
 - ``ours``: ``trainer fit`` with ``distributed.strategy=fsdp`` and ``compile.enabled=true`` (blocks compiled,
   our kernels substituted, ``distributed.fsdp_unit_mb`` units, fused AdamW), on the embedded corpus (bytes, which
   fit any vocabulary). Its median step time. At world 1 the Trainer runs its single-GPU path (no sharding,
