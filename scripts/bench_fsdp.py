@@ -25,10 +25,10 @@ grid. Every job runs under ``torch.distributed.run --standalone`` in fresh proce
   ``fully_shard``: every linear but the LM head, tensorwise scales, the weights all-gathered in float8, their
   scales precomputed after each optimizer step). Ours in fp8 is ``ours@train.precision=fp8``.
 - layouts (either row): ``@distributed.replicate=N``, ``@distributed.tp=N``, ``@distributed.cp=N`` and
-  ``@data.seq_len=T`` (:data:`LAYOUT_KEYS`). The loop lays its ranks out as torchtitan's ``parallel_dims.py`` does
-  (:func:`loop_mesh`): HSDP, tensor parallel with transformers' plan (``config.base_model_tp_plan``) and the clipping
-  norm per mesh, torch's ``context_parallel`` around the forward and backward; each row is compared with the loop of
-  its own layout. ``B`` is sequences per data-parallel rank: a TP x CP group shares them.
+  ``@data.seq_len=T`` (:data:`LAYOUT_KEYS`). The loop (scripts/_fsdp_loop.py) lays its ranks out as torchtitan's
+  ``parallel_dims.py`` does: HSDP, tensor parallel with transformers' plan (``config.base_model_tp_plan``) and the
+  clipping norm per mesh, torch's ``context_parallel`` around the forward and backward; each row is compared with the
+  loop of its own layout. ``B`` is sequences per data-parallel rank: a TP x CP group shares them.
 - ``ours``: ``trainer fit`` with ``distributed.strategy=fsdp`` and ``compile.enabled=true`` (blocks compiled,
   our kernels substituted, ``distributed.fsdp_unit_mb`` units, fused AdamW), on the embedded corpus (bytes, which
   fit any vocabulary). Its median step time. At world 1 the Trainer runs its single-GPU path (no sharding,
@@ -69,7 +69,6 @@ seconds; such runs write to a temporary file unless ``--out`` says where.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -83,13 +82,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts._fsdp_loop import run_loop  # noqa: E402
 from scripts._models import hf_dir, spec  # noqa: E402
 from scripts.bench_ddp import SAME_AS_USER, SPEC_PEAK  # noqa: E402
 
 ROWS = {"loop": {"kind": "user"}, "loop-fp8": {"kind": "user", "fp8": True}, "ours": {"kind": "ours", "overrides": []}}
 LAYOUT_KEYS = ("distributed.replicate", "distributed.tp", "distributed.cp", "data.seq_len")
 """What a row of either kind may set (``loop@distributed.tp=2``, ``ours@data.seq_len=32768``): the mesh's layout and
-the sequence length. Ours takes them as its config keys; the loop builds the same layout (see :func:`loop_mesh`)."""
+the sequence length. Ours takes them as its config keys; the loop builds the same layout (``_fsdp_loop.loop_mesh``)."""
 AC_MODES = ("none", "full", "selective")
 # --tiny: the model's config with these fields changed (a 2-layer Llama, 64 wide; bytes fill its vocabulary).
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -112,16 +112,14 @@ def parse_job(job: str) -> dict:
                          f"(row: {' or '.join(ROWS)}, perhaps with @key=value; ac: {', '.join(AC_MODES)})")  # fmt: skip
     if spec(model)["kind"] != "hf":
         raise SystemExit(f"--plan: '{job}': {model} is not a Hugging Face model; this benchmark trains those")
-    base, *parts = row.split("@")
+    rest, parts = split_row(row)
     layout = {}
-    for part in parts:
-        key, _, value = part.partition("=")
-        if key in LAYOUT_KEYS:
-            if not (value.isdigit() and int(value) > 0):
-                raise SystemExit(f"--plan: '{job}': {key} takes a positive integer, got '{value}'")
-            layout[key] = int(value)
+    for key, value in parts:
+        if not (value.isdigit() and int(value) > 0):
+            raise SystemExit(f"--plan: '{job}': {key} takes a positive integer, got '{value}'")
+        layout[key] = int(value)
     try:
-        row_spec = parse_variant("@".join([base, *(p for p in parts if p.partition("=")[0] not in LAYOUT_KEYS)]), ROWS)
+        row_spec = parse_variant(rest, ROWS)
     except SystemExit as e:
         raise SystemExit(f"--plan: '{job}': {str(e).removeprefix('--variants: ')}") from None
     if row_spec["kind"] == "ours":
@@ -162,192 +160,6 @@ def _group(job: dict) -> int:
     """The GPUs that share one batch: a tensor- and context-parallel group (``batch`` is sequences per data-parallel
     rank, as ``train.micro_batch_size``)."""
     return job["layout"].get("distributed.tp", 1) * job["layout"].get("distributed.cp", 1)
-
-
-def loop_mesh(world: int, layout: dict, device_type: str):
-    """The loop's mesh, as torchtitan lays it out (``parallel_dims.py``): dimensions ``dp_replicate``, ``dp_shard``,
-    ``cp``, ``tp`` (``dp_shard``: what the others leave of ``world``); FSDP shards over ``dp_shard`` and ``cp``
-    flattened (``dp_shard_cp``), HSDP also replicates over ``dp_replicate``. Returns ``(fsdp_mesh, tp_mesh, cp_mesh,
-    dp_rank)``: the tensor- and context-parallel meshes None where their size is 1; ``dp_rank`` this rank's index
-    among the data-parallel ranks (those that draw different batches)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    r, tp, cp = (layout.get(f"distributed.{k}", 1) for k in ("replicate", "tp", "cp"))
-    names = ("dp_replicate", "dp_shard", "cp", "tp")
-    mesh = init_device_mesh(device_type, (r, world // (r * tp * cp), cp, tp), mesh_dim_names=names)
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    fsdp = mesh["dp_replicate", "dp_shard_cp"] if r > 1 else mesh["dp_shard_cp"]
-    return fsdp, mesh["tp"] if tp > 1 else None, mesh["cp"] if cp > 1 else None, dp.get_local_rank()
-
-
-def clip_across_meshes(params: list, max_norm: float) -> None:
-    """``clip_grad_norm_`` for gradients on several meshes (``clip_grad_norm_`` stacks the norms, which DTensor
-    refuses across meshes): each mesh's norm summed over its ranks, then one scale for all."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    groups: dict = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    squares = []
-    for ps in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt()
-    for ps in groups.values():  # one multiply per mesh: DTensor runs no op across meshes
-        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
-
-
-def _causal_attention_without_mask(hf) -> None:
-    """The model's attention as one causal SDPA call with no mask, as context parallel needs (its ring attention
-    takes ``is_causal`` and no mask; transformers would build one from the head-tail positions, which jump)."""
-    import torch.nn.functional as F
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-        groups = getattr(module, "num_key_value_groups", 1)
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (B, H, T, D)
-        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("loop_causal", attention)
-    AttentionMaskInterface.register("loop_causal", lambda *args, **kwargs: None)
-    for sub in hf.modules():  # transformers reads the implementation from each submodule's config
-        if hasattr(sub, "config") and hasattr(sub.config, "_attn_implementation"):
-            sub.config._attn_implementation = "loop_causal"
-
-
-def run_loop(a, job: dict) -> dict:
-    """FSDP2 by hand, torchtitan's way (see the module docstring): built on meta, sharded, initialised in place."""
-    import functools
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    from transformers import AutoModelForCausalLM
-
-    from scripts._user_loop import BETAS, LR, MAX_NORM, WEIGHT_DECAY
-    from trainer.models.hf import HFCausalLM, load_hf_config
-    from trainer.models.recompute import policy
-    from trainer.optim import param_groups
-
-    local = int(os.environ["LOCAL_RANK"])
-    cuda = a.device == "cuda"
-    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
-    t0 = time.perf_counter()
-    fsdp_mesh, tp_mesh, cp_mesh, dp_rank = loop_mesh(dist.get_world_size(), job["layout"], dev.type)
-    config = load_hf_config(str(hf_dir(job["model"], tempfile.mkdtemp())), TINY if a.tiny else None)
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    model = HFCausalLM(hf)  # the root FSDP unit: its forward runs the base model, the head and the loss
-    if cp_mesh is not None:
-        _causal_attention_without_mask(hf)
-    if tp_mesh is not None:  # transformers' own plan (config.base_model_tp_plan), as trainer reads it
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        plan = {k: styles[v]() for k, v in (config.base_model_tp_plan or {}).items() if v in styles}
-        parallelize_module(getattr(hf, hf.base_model_prefix), tp_mesh, plan)
-    if job["spec"].get("fp8"):  # torchtitan's float8: every linear but the head, float8 all-gather, scales per step
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        from scripts._user_loop import float8_linear
-
-        f8 = Float8LinearConfig(enable_fsdp_float8_all_gather=cuda, emulate=not cuda)
-        convert_to_float8_training(hf, config=f8, module_filter_fn=float8_linear)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
-    # One context factory for every layer: Dynamo guards on it, so the layers share one compiled graph.
-    selective = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
-    layers = hf.model.layers
-    for i, layer in enumerate(layers):
-        if job["ac"] != "none":
-            layer = layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False,
-                                                   **(selective if job["ac"] == "selective" else {}))  # fmt: skip
-        if a.compile_backend != "none":
-            layer.compile(backend=a.compile_backend)
-        fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
-    model.to_empty(device=dev)
-    # transformers' own initialisation works on the DTensor shards (normal_ and fill_ are sharded ops) and
-    # recomputes the rotary embedding's buffers, which to_empty left uninitialised. Same seed on every rank, so
-    # the shards are those of one model (on CUDA: DTensor's offset-based random generator).
-    torch.manual_seed(0)
-    hf.init_weights()
-    opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=cuda)
-    if job["spec"].get("fp8") and cuda:
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-        opt.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
-    build_s = time.perf_counter() - t0
-
-    seq, batch, vocab = _seq(a, job), job["batch"], config.vocab_size
-    gen = torch.Generator(dev).manual_seed(dp_rank)  # a tensor- or context-parallel group draws one batch
-    cp_context = None
-    if cp_mesh is not None:  # torch's context_parallel: the batch's sequences sharded head-tail, ring attention
-        from torch.distributed.tensor.experimental import context_parallel
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-
-        def cp_context(*buffers):
-            stack = contextlib.ExitStack()
-            stack.enter_context(context_parallel(cp_mesh, buffers=list(buffers), buffer_seq_dims=[1] * len(buffers),
-                                                 no_restore_buffers=set(buffers)))  # fmt: skip
-            stack.enter_context(sdpa_kernel(kernels))
-            return stack
-
-    def step() -> torch.Tensor:
-        tokens = torch.randint(vocab, (batch, seq + 1), device=dev, generator=gen)  # (B, T + 1)
-        idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # targets: the next token
-        if cp_context is None:
-            loss = model(idx, targets)
-            loss.backward()
-        else:  # each rank's slices of the sequences, with their positions (RoPE reads them)
-            positions = torch.arange(seq, device=dev).expand(batch, seq).contiguous()
-            with cp_context(idx, targets, positions):
-                loss = model(idx, targets, positions)
-                loss.backward()
-        if tp_mesh is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        else:  # the split linears' gradients live on the (FSDP, TP) mesh, the rest on FSDP's: a norm per mesh
-            clip_across_meshes(list(model.parameters()), MAX_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    loss = step()
-    float(loss)
-    first = time.perf_counter() - t0
-    for _ in range(1, a.warmup):
-        loss = step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    sync()
-    per_step = (time.perf_counter() - t0) / a.steps
-    out = {
-        "tokens_per_s_per_gpu": batch * seq / _group(job) / per_step,
-        "step_ms": per_step * 1e3,
-        "first_step_s": first,
-        "build_s": build_s,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
-        "final_loss": float(loss),
-    }
-    dist.destroy_process_group()
-    return out
 
 
 def run_ours(a, job: dict) -> dict:
@@ -398,7 +210,10 @@ def _worker(a) -> None:
     from scripts._meta import gpu_timeline
 
     with gpu_timeline(a.worker):  # BENCH_TRACE=dir: rank 0's GPU timeline, for scripts/trace_gaps.py
-        out = run_loop(a, job) if job["spec"]["kind"] == "user" else run_ours(a, job)
+        if job["spec"]["kind"] == "user":
+            out = run_loop(a, job, _seq(a, job), _group(job), TINY if a.tiny else None)
+        else:
+            out = run_ours(a, job)
     if rank0:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         print("RESULT " + json.dumps({**head, **out, "dynamo_graphs": graphs}), flush=True)
@@ -574,17 +389,17 @@ def table(doc: dict) -> str:
              "| MFU (measured peak) | peak mem GB | first step s | job s | final loss |",
              "|---" * 15 + "|"]  # fmt: skip
 
-    index = {_shape(key, e) + (_without_layout(e["row"]),): e.get("tokens_per_s_per_gpu") for key, e in results.items()}
+    index = {_shape(e) + (split_row(e["row"])[0],): e.get("tokens_per_s_per_gpu") for e in results.values()}
 
-    def tps(key, e, row, world=None):  # the same shape and layout, another row (and world)
-        model, w, batch, ac, layout = _shape(key, e)
+    def tps(e, row, world=None):  # the same shape and layout, another row (and world)
+        model, w, batch, ac, layout = _shape(e)
         return index.get((model, world or w, batch, ac, layout, row))
 
     def order(item):
         e = item[1]
         return e["model"], e["ac"], e["batch"], e["world"], e["row"] != "loop", e["row"]
 
-    for key, e in sorted(results.items(), key=order):
+    for _, e in sorted(results.items(), key=order):
         name = e["model"] + (" (tiny)" if e.get("tiny") else "") + ("" if e.get("gpu") == run["gpu"] else
                                                                     f" [{e.get('gpu')}]")  # fmt: skip
         head = f"| {name} | {e['world']} | {e['batch']} x {e['seq']} | {e['row']} | {e['ac']} |"
@@ -593,13 +408,13 @@ def table(doc: dict) -> str:
             lines.append(f"{head} {why} |" + " |" * 9)
             continue
         t = e["tokens_per_s_per_gpu"]
-        row = _without_layout(e["row"])
-        loop = tps(key, e, "loop")
+        row = split_row(e["row"])[0]
+        loop = tps(e, "loop")
         vs = f"{t / loop:.3f}x" if loop and row != "loop" else "-"
-        loop8 = tps(key, e, "loop-fp8")
+        loop8 = tps(e, "loop-fp8")
         if loop8 and "precision=fp8" in e["row"]:  # ours in fp8: against torchtitan's float8 too
             vs += f" ({t / loop8:.3f}x loop-fp8)"
-        one = tps(key, e, row, world=1) if e["world"] > 1 else None
+        one = tps(e, row, world=1) if e["world"] > 1 else None
         scaling = f"{t / one * 100:.1f}%" if one else "-"
         mfu = f"{e['mfu_spec'] * 100:.1f}%" if e.get("mfu_spec") else "-"
         mfu_peak = f"{e['mfu_measured_peak'] * 100:.1f}%" if e.get("mfu_measured_peak") else "-"
@@ -614,18 +429,19 @@ def best_table(doc: dict) -> str:
     against the fastest of the loop and of loop-fp8 at the same model and world, and the largest micro-batch that
     fit for each AC mode tried."""
     groups: dict[tuple, list[dict]] = {}
-    peers: dict[int, tuple] = {}  # id of a result -> (model, world, layout): the loop rows it compares with
-    for key, e in doc["results"].items():
+    for e in doc["results"].values():
         groups.setdefault((e["model"], e["world"], e["row"]), []).append(e)
-        peers[id(e)] = (e["model"], e["world"], _shape(key, e)[4])
+
+    def peers(e: dict) -> tuple:  # the loop rows a row compares with: same model, world and layout
+        return e["model"], e["world"], _shape(e)[4]
 
     def fastest(model, world, row) -> dict | None:
         ran = [e for e in groups.get((model, world, row), []) if "tokens_per_s_per_gpu" in e]
         return max(ran, key=lambda e: e["tokens_per_s_per_gpu"]) if ran else None
 
     def fastest_peer(e: dict, base: str) -> dict | None:
-        ran = [o for o in doc["results"].values() if peers[id(o)] == peers[id(e)]
-               and _without_layout(o["row"]) == base and "tokens_per_s_per_gpu" in o]  # fmt: skip
+        ran = [o for o in doc["results"].values() if peers(o) == peers(e) and split_row(o["row"])[0] == base
+               and "tokens_per_s_per_gpu" in o]  # fmt: skip
         return max(ran, key=lambda o: o["tokens_per_s_per_gpu"]) if ran else None
 
     lines = ["\nEach row at its best (the fastest AC and micro-batch that ran):",
@@ -638,7 +454,7 @@ def best_table(doc: dict) -> str:
         t = best["tokens_per_s_per_gpu"]
         vs = []
         for base in ("loop", "loop-fp8"):
-            other = fastest_peer(best, base) if _without_layout(row) != base else None
+            other = fastest_peer(best, base) if split_row(row)[0] != base else None
             vs.append(f"{t / other['tokens_per_s_per_gpu']:.3f}x" if other else "-")
         fits = []
         for ac in AC_MODES:
@@ -652,17 +468,17 @@ def best_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _without_layout(row: str) -> str:
-    """``row`` without its :data:`LAYOUT_KEYS` parts (``ours@distributed.tp=2@train.precision=fp8`` -> ``ours@train.
-    precision=fp8``)."""
-    return "@".join(p for p in row.split("@") if p.partition("=")[0] not in LAYOUT_KEYS)
+def split_row(row: str) -> tuple[str, list[tuple[str, str]]]:
+    """``row`` without its :data:`LAYOUT_KEYS` parts, and those parts as ``(key, value)``
+    (``ours@distributed.tp=2@train.precision=fp8`` -> ``ours@train.precision=fp8``, ``[("distributed.tp", "2")]``)."""
+    base, *parts = row.split("@")
+    layout = [(k, v) for k, _, v in (p.partition("=") for p in parts) if k in LAYOUT_KEYS]
+    return "@".join([base, *(p for p in parts if p.partition("=")[0] not in LAYOUT_KEYS)]), layout
 
 
-def _shape(key: str, e: dict) -> tuple:
-    """``(model, world, batch, ac, layout)`` of a result: its layout (:data:`LAYOUT_KEYS`, sorted) read from the row."""
-    parts = [p.partition("=") for p in e["row"].split("@")[1:]]
-    layout = tuple(sorted((k, v) for k, _, v in parts if k in LAYOUT_KEYS))
-    return e["model"], e["world"], e["batch"], e["ac"], layout
+def _shape(e: dict) -> tuple:
+    """``(model, world, batch, ac, layout)`` of a result, its layout's parts sorted."""
+    return e["model"], e["world"], e["batch"], e["ac"], tuple(sorted(split_row(e["row"])[1]))
 
 
 def _si(x: float) -> str:

@@ -142,23 +142,32 @@ def test_step_benchmark_models_build_and_configure(tmp_path):
         assert _models.flops_per_token(name, model, seq) > 6 * n * 0.9, name  # attention adds, tied heads too
 
 
+def _bench_fsdp_on_cpu(tmp_path, monkeypatch, plan: str, steps: int) -> dict:
+    """scripts/bench_fsdp.py's main in this process on ``plan`` (2 gloo processes a job, the 2-layer Llama): its
+    JSON."""
+    import json
+
+    from scripts.bench_fsdp import main
+
+    out = tmp_path / "result.json"
+    argv = ["scripts/bench_fsdp.py", "--device", "cpu", "--tiny", "--compile-backend", "aot_eager", "--steps",
+            str(steps), "--warmup", "1", "--plan", plan, "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.chdir(ROOT)
+    main()
+    return json.loads(out.read_text())
+
+
 def test_fsdp_benchmark_runs_the_loop_and_ours_on_two_cpu_processes(tmp_path, monkeypatch):
     """scripts/bench_fsdp.py end to end on 2 gloo processes, a 2-layer Llama: both rows train and report, the loop's
     layers share one compiled graph, and the table reads both back. The script's main runs in this process; each
     job, as always, under torchrun in processes of its own."""
-    import json
     import math
 
-    from scripts.bench_fsdp import main, table
+    from scripts.bench_fsdp import table
 
-    out = tmp_path / "result.json"
-    plan = "hf-llama-1b:2:2:loop:none,hf-llama-1b:2:2:ours:none"
-    argv = ["scripts/bench_fsdp.py", "--device", "cpu", "--tiny", "--compile-backend", "aot_eager", "--steps", "3",
-            "--warmup", "1", "--plan", plan, "--out", str(out)]  # fmt: skip
-    monkeypatch.setattr("sys.argv", argv)
-    monkeypatch.chdir(ROOT)
-    main()  # a job that fails is kept in the JSON under "error" (checked below)
-    doc = json.loads(out.read_text())
+    # a job that fails is kept in the JSON under "error" (checked below)
+    doc = _bench_fsdp_on_cpu(tmp_path, monkeypatch, "hf-llama-1b:2:2:loop:none,hf-llama-1b:2:2:ours:none", steps=3)
     loop, ours = doc["results"]["hf-llama-1b:2:2:loop:none"], doc["results"]["hf-llama-1b:2:2:ours:none"]
     for res in (loop, ours):
         assert "error" not in res, res.get("error")
@@ -464,7 +473,7 @@ def test_bench_tune_says_where_a_runs_seconds_went(tmp_path):
 
 
 def test_bench_fsdp_reads_a_rows_layout_and_compares_it_with_the_loop_of_the_same_layout():
-    from scripts.bench_fsdp import _shape, _without_layout, parse_job, table
+    from scripts.bench_fsdp import _shape, parse_job, split_row, table
 
     job = parse_job("hf-llama-1b:4:2:ours@distributed.tp=2@train.precision=fp8@data.seq_len=32768:none")
     assert job["layout"] == {"distributed.tp": 2, "data.seq_len": 32768}
@@ -479,7 +488,7 @@ def test_bench_fsdp_reads_a_rows_layout_and_compares_it_with_the_loop_of_the_sam
     ):
         with pytest.raises(SystemExit):
             parse_job(bad)
-    assert _without_layout("ours@distributed.tp=2@train.precision=fp8") == "ours@train.precision=fp8"
+    assert split_row("ours@distributed.tp=2@train.precision=fp8")[0] == "ours@train.precision=fp8"
 
     def entry(row, tps):
         return {"model": "m", "world": 2, "batch": 2, "row": row, "ac": "none", "seq": 64, "tokens_per_s_per_gpu": tps,
@@ -489,7 +498,7 @@ def test_bench_fsdp_reads_a_rows_layout_and_compares_it_with_the_loop_of_the_sam
         f"m:2:2:{r}:none": entry(r, t)
         for r, t in [("loop", 100.0), ("ours", 110.0), ("loop@distributed.tp=2", 50.0), ("ours@distributed.tp=2", 60.0)]
     }
-    assert _shape("m:2:2:ours@distributed.tp=2:none", results["m:2:2:ours@distributed.tp=2:none"])[4] == (
+    assert _shape(results["m:2:2:ours@distributed.tp=2:none"])[4] == (
         ("distributed.tp", "2"),)  # fmt: skip
     doc = {"run": {"gpu": None, "device": "cpu", "gpus": 0, "torch": "t", "triton": "t", "git_sha": "g"},
            "results": results}  # fmt: skip
@@ -504,18 +513,9 @@ def test_bench_fsdp_reads_a_rows_layout_and_compares_it_with_the_loop_of_the_sam
 def test_bench_fsdps_loop_trains_under_tensor_parallel_and_hsdp_on_two_cpu_processes(tmp_path, monkeypatch):
     """The loop's layouts on 2 gloo processes, a 2-layer Llama: TP 2 (transformers' plan, the gradient norm across
     the two meshes) and HSDP 2 x 1 train from an initialised model (loss near ln 256 on random tokens)."""
-    import json
     import math
 
-    from scripts.bench_fsdp import main
-
-    out = tmp_path / "result.json"
     plan = "hf-llama-1b:2:2:loop@distributed.tp=2:none,hf-llama-1b:2:2:loop@distributed.replicate=2:none"
-    argv = ["scripts/bench_fsdp.py", "--device", "cpu", "--tiny", "--compile-backend", "aot_eager", "--steps", "2",
-            "--warmup", "1", "--plan", plan, "--out", str(out)]  # fmt: skip
-    monkeypatch.setattr("sys.argv", argv)
-    monkeypatch.chdir(ROOT)
-    main()
-    for res in json.loads(out.read_text())["results"].values():
+    for res in _bench_fsdp_on_cpu(tmp_path, monkeypatch, plan, steps=2)["results"].values():
         assert "error" not in res, res.get("error")
         assert abs(res["final_loss"] - math.log(256)) < 0.1, res["final_loss"]

@@ -188,12 +188,17 @@ def _encode(a: Any) -> Any:
     return _SKIP
 
 
+def _extent(shape: list[int], stride: list[int], offset: int) -> int:
+    """The elements of storage a tensor of this layout reaches."""
+    return 0 if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
 def _decode(a: Any, device: torch.device) -> Any:
     """The argument :func:`_encode` describes: tensors of zeros with its layout, on ``device``."""
     if isinstance(a, dict) and "tensor" in a:
         shape, stride, offset, dtype = a["tensor"]
-        extent = 0 if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-        return torch.zeros(extent, dtype=getattr(torch, dtype), device=device).as_strided(shape, stride, offset)
+        zeros = torch.zeros(_extent(shape, stride, offset), dtype=getattr(torch, dtype), device=device)
+        return zeros.as_strided(shape, stride, offset)
     if isinstance(a, dict) and "dtype" in a:
         return getattr(torch, a["dtype"])
     if isinstance(a, dict) and "list" in a:
@@ -207,8 +212,7 @@ def _input_bytes(spec: dict[str, Any]) -> int:
     def size(a: Any) -> int:
         if isinstance(a, dict) and "tensor" in a:
             shape, stride, offset, dtype = a["tensor"]
-            extent = 0 if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-            return extent * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            return _extent(shape, stride, offset) * getattr(torch, dtype).itemsize
         if isinstance(a, dict) and "list" in a:
             return sum(size(x) for x in a["list"])
         return 0
